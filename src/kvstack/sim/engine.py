@@ -1,0 +1,218 @@
+"""The simulated engine's asyncio loop: scheduler steps in modelled time, tokens out to request streams.
+
+Each step: schedule (``Scheduler.step``), sleep the step's modelled duration divided by the time scale,
+then hand the new tokens to the waiting request handlers, publish the step's KV events as one batch,
+and update metrics. New requests wait for the next step, as on a real engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvstack.sim.kv_cache import KVCache
+from kvstack.sim.metrics import EngineMetrics
+from kvstack.sim.scheduler import LatencyModel, Scheduler, SimRequest, Status
+from kvstack.sim.textgen import OutputSampler
+
+log = logging.getLogger(__name__)
+
+
+class EventSink:
+    """Where a step's KV events go (the ZMQ publisher, or nothing)."""
+
+    def publish(self, events: list[object]) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def flush(self) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class TokenEvent:
+    """One new token of a sequence, or its end (``finish_reason`` set)."""
+
+    token_id: int
+    finish_reason: str | None
+
+
+@dataclass(eq=False)
+class RequestStream:
+    """Handler-side view of one sequence in the engine."""
+
+    req: SimRequest
+    queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
+
+    async def tokens(self) -> AsyncIterator[TokenEvent]:
+        while True:
+            ev = await self.queue.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model_name: str = "kvstack-sim"
+    max_model_len: int = 4096
+    block_size: int = 16
+    num_gpu_blocks: int = 8192
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_prefix_caching: bool = True
+    time_scale: float = 1.0
+    seed: int = 0
+    mean_output_len: int = 128
+    latency: LatencyModel = field(default_factory=LatencyModel)
+    legacy_metric_names: bool = False
+
+
+class SimEngine:
+    """One simulated engine: scheduler, KV cache, metrics and event stream."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        sampler: OutputSampler,
+        *,
+        events: EventSink | None = None,
+        eos_token_id: int | None = None,
+    ) -> None:
+        self.config = config
+        self.sampler = sampler
+        self.eos_token_id = eos_token_id
+        self.kv = KVCache(
+            config.num_gpu_blocks,
+            config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            hash_seed=config.seed,
+            emit_events=events is not None,
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            sampler,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            latency=config.latency,
+        )
+        self.metrics = EngineMetrics(
+            config.model_name,
+            max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            num_gpu_blocks=config.num_gpu_blocks,
+            enable_prefix_caching=config.enable_prefix_caching,
+            legacy_names=config.legacy_metric_names,
+        )
+        self.metrics.kv_usage.set(0.0)
+        self.events = events
+        self._streams: dict[int, RequestStream] = {}
+        self._ids = itertools.count()
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        # Modelled time: advances by each step's duration, so histograms are exact under any time scale.
+        self._clock = 0.0
+        self._wall0 = time.monotonic()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def now(self) -> float:
+        """Modelled seconds since start (wall time times the time scale, never behind the step clock)."""
+        return max(self._clock, (time.monotonic() - self._wall0) * self.config.time_scale)
+
+    # -- requests --------------------------------------------------------------------------------
+    def submit(self, req: SimRequest) -> RequestStream:
+        req.arrival_time = self.now()
+        if req.eos_token_id is None:
+            req.eos_token_id = self.eos_token_id
+        stream = RequestStream(req)
+        self._streams[id(req)] = stream
+        self.scheduler.add(req)
+        self._wakeup.set()
+        return stream
+
+    def abort(self, stream: RequestStream) -> None:
+        req = stream.req
+        if req.status is Status.FINISHED:
+            return
+        self.scheduler.abort(req)
+        req.finish_time = self.now()
+        self._streams.pop(id(req), None)
+        self.metrics.observe_finished(req)
+        self._publish_events()
+
+    def next_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids):x}"
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    def reset_prefix_cache(self) -> bool:
+        ok = self.kv.reset()
+        self._publish_events()
+        return ok
+
+    # -- the loop ----------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        sched = self.scheduler
+        scale = self.config.time_scale
+        while True:
+            if not sched.has_work:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                # Idle time passes in the modelled clock too.
+                self._clock = max(self._clock, (time.monotonic() - self._wall0) * scale)
+                continue
+            start_wall = time.monotonic()
+            out = sched.step(self._clock)
+            self._clock += out.stats.duration
+            # Sleep the remainder of the step; the scheduling work itself counts as step time.
+            delay = out.stats.duration / scale - (time.monotonic() - start_wall)
+            await asyncio.sleep(max(0.0, delay))
+            self._deliver(out.new_tokens, out.finished)
+            self.metrics.observe_step(
+                out.stats, running=self.num_running, waiting=self.num_waiting, kv_usage=self.kv.usage()
+            )
+            self._publish_events()
+
+    def _deliver(self, new_tokens: list[SimRequest], finished: list[SimRequest]) -> None:
+        done = {id(r) for r in finished}
+        for req in new_tokens:
+            if len(req.output_token_ids) == 1:
+                self.metrics.observe_first_token(req)
+            self.metrics.observe_token(req)
+            finish = req.finish_reason if id(req) in done else None
+            if finish is not None:
+                self.metrics.observe_finished(req)
+                stream = self._streams.pop(id(req), None)
+            else:
+                stream = self._streams.get(id(req))
+            if stream is not None:
+                stream.queue.put_nowait(TokenEvent(req.output_token_ids[-1], finish))
+
+    def _publish_events(self) -> None:
+        if self.events is None:
+            return
+        events = self.kv.take_events()
+        if events:
+            self.events.publish(list(events))
+            self.events.flush()
