@@ -95,7 +95,12 @@ def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Po
     log = log_path.open("wb")
     try:
         return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, cwd=str(log_path.parent)
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            cwd=str(log_path.parent),
         )
     finally:
         log.close()
@@ -119,18 +124,35 @@ def start_vllm(
     if replay_port:
         events["replay_endpoint"] = f"tcp://*:{replay_port}"
     cmd = [
-        str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", served_name,
-        "--load-format", "dummy", "--dtype", "bfloat16", "--enforce-eager",
-        "--max-model-len", str(max_model_len), "--host", "127.0.0.1", "--port", str(port),
-        "--enable-prompt-tokens-details", "--enable-scale-out",
-        "--kv-events-config", json.dumps(events),
-    ]  # fmt: skip
+        str(vllm_python()),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_name,
+        "--load-format",
+        "dummy",
+        "--dtype",
+        "bfloat16",
+        "--enforce-eager",
+        "--max-model-len",
+        str(max_model_len),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enable-prompt-tokens-details",
+        "--enable-scale-out",
+        "--kv-events-config",
+        json.dumps(events),
+    ]
     if num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
     cmd += extra_args or []
     env = dict(os.environ)
-    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"})
+    # Dev mode serves /reset_prefix_cache, which tests use to start from an empty prefix cache.
+    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
     proc = _spawn(cmd, env, log_path)
@@ -168,12 +190,28 @@ def start_sim(
     port, ev_port = free_port(), free_port()
     replay_port = free_port() if replay else None
     cmd = [
-        sys.executable, "-m", "kvstack.cli", "sim",
-        "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
-        "--block-size", str(block_size), "--num-gpu-blocks", str(num_gpu_blocks),
-        "--max-model-len", str(max_model_len), "--enable-prompt-tokens-details",
-        "--kv-events-port", str(ev_port), "--log-level", "warning",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "kvstack.cli",
+        "sim",
+        "--served-model-name",
+        served_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--block-size",
+        str(block_size),
+        "--num-gpu-blocks",
+        str(num_gpu_blocks),
+        "--max-model-len",
+        str(max_model_len),
+        "--enable-prompt-tokens-details",
+        "--kv-events-port",
+        str(ev_port),
+        "--log-level",
+        "warning",
+    ]
     if model_dir is not None:
         cmd += ["--model", str(model_dir)]
     if replay_port:

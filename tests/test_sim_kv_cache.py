@@ -1,4 +1,4 @@
-"""The simulator's block pool: prefix hits, eviction order, events and usage, as vLLM's block pool does them."""
+"""The simulator's block pool: prefix hits, eviction order, events and usage, as in vLLM's block pool."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_prefix_hit_is_capped_below_prompt_length() -> None:
     hashes = kv.block_hashes(tokens)
     # vLLM recomputes the last token, so a 64-token prompt hits at most 48 tokens.
     assert len(kv.longest_cached_prefix(hashes, len(tokens) - 1)) == 3
-    assert len(kv.longest_cached_prefix(hashes + [123], 65 - 1)) == 4
+    assert len(kv.longest_cached_prefix([*hashes, 123], 65 - 1)) == 4
 
 
 def test_events_stored_then_removed_on_eviction() -> None:

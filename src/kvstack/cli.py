@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -21,17 +22,23 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p = sub.add_parser("sim", help="run simulated vLLM engines", description="Run simulated vLLM engines.")
     g = p.add_argument_group("serving")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    g.add_argument("--port", type=int, default=8000, help="port of engine 0; engine i uses port+i (0 = free ports)")
+    g.add_argument(
+        "--port", type=int, default=8000, help="port of engine 0; engine i uses port+i (0 = free ports)"
+    )
     g.add_argument("--engines", type=int, default=1, help="number of engines in this process (default 1)")
     g.add_argument("--served-model-name", nargs="+", default=None, help="model names to serve")
     g.add_argument("--model", default=None, help="model directory (its tokenizer is used unless --tokenizer)")
     g.add_argument("--tokenizer", default=None, help="tokenizer directory; default: the built-in tokenizer")
     g.add_argument("--max-model-len", type=int, default=4096)
-    g.add_argument("--enable-prompt-tokens-details", action="store_true", help="report usage.prompt_tokens_details")
+    g.add_argument(
+        "--enable-prompt-tokens-details", action="store_true", help="report usage.prompt_tokens_details"
+    )
     g.add_argument("--legacy-metric-names", action="store_true", help="export pre-rename vLLM metric names")
     g = p.add_argument_group("KV cache and scheduler")
     g.add_argument("--block-size", type=int, default=16, help="tokens per KV block (CPU vLLM uses 128)")
-    g.add_argument("--num-gpu-blocks", type=int, default=8192, help="KV blocks per engine, including the null block")
+    g.add_argument(
+        "--num-gpu-blocks", type=int, default=8192, help="KV blocks per engine, including the null block"
+    )
     g.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
@@ -39,13 +46,19 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--time-scale", type=float, default=1.0, help="run N times faster, same ratios")
     g.add_argument("--prefill-per-token", type=float, default=0.00005)
     g.add_argument("--decode-base", type=float, default=0.008, help="inter-token latency at batch size 1")
-    g.add_argument("--decode-per-seq", type=float, default=0.0001, help="added inter-token latency per running seq")
+    g.add_argument(
+        "--decode-per-seq", type=float, default=0.0001, help="added inter-token latency per running seq"
+    )
     g.add_argument("--step-overhead", type=float, default=0.001)
     g.add_argument("--seed", type=int, default=0, help="output and block-hash seed")
-    g.add_argument("--mean-output-len", type=int, default=128, help="mean tokens before EOS (without ignore_eos)")
+    g.add_argument(
+        "--mean-output-len", type=int, default=128, help="mean tokens before EOS (without ignore_eos)"
+    )
     g = p.add_argument_group("KV events")
     g.add_argument("--no-kv-events", dest="kv_events", action="store_false", help="do not publish KV events")
-    g.add_argument("--kv-events-port", type=int, default=0, help="ZMQ PUB port of engine 0 (+i); 0 = free port")
+    g.add_argument(
+        "--kv-events-port", type=int, default=0, help="ZMQ PUB port of engine 0 (+i); 0 = free port"
+    )
     g.add_argument("--kv-events-replay", action="store_true", help="serve vLLM's replay protocol")
     g.add_argument("--kv-events-replay-port", type=int, default=0)
     g.add_argument("--kv-events-legacy-encoding", action="store_true", help="older array-encoded events")
@@ -54,7 +67,9 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--error-codes", default="500", help="comma-separated subset of 429,500,503")
     g.add_argument("--drop-rate", type=float, default=0.0, help="fraction of streams cut mid-stream")
     g.add_argument("--drop-after-chunks", type=int, default=1)
-    g.add_argument("--first-token-delay", type=float, default=0.0, help="wall seconds added before the first byte")
+    g.add_argument(
+        "--first-token-delay", type=float, default=0.0, help="wall seconds added before the first byte"
+    )
     g.add_argument("--hang-rate", type=float, default=0.0)
     g.add_argument("--log-level", default="info")
 
@@ -130,20 +145,20 @@ def _run_sim(args: argparse.Namespace) -> int:
             task.result()  # start-up failed: raise its error
             return
         engines = ready.result()
-        print(f"kvstack sim: {len(engines)} engine(s) serving model {names[0]!r} (tokenizer: {tokenizer.name})")
+        print(
+            f"kvstack sim: {len(engines)} engine(s) serving model {names[0]!r} (tokenizer: {tokenizer.name})"
+        )
         for e in engines:
             events = f"  kv events {e.events_endpoint}" if e.events_endpoint else ""
             print(f"  engine {e.index}: {e.url}/v1  metrics {e.url}/metrics{events}")
         first = engines[0].url
         print(
             f"try: curl {first}/v1/completions -H 'Content-Type: application/json' "
-            f"-d '{{\"model\": \"{names[0]}\", \"prompt\": \"Hello\", \"max_tokens\": 16}}'",
+            f'-d \'{{"model": "{names[0]}", "prompt": "Hello", "max_tokens": 16}}\'',
             flush=True,
         )
-        try:
+        with contextlib.suppress(asyncio.CancelledError):
             await task
-        except asyncio.CancelledError:
-            pass
 
     try:
         import uvloop

@@ -29,6 +29,7 @@ __all__ = [
     "MEDIUM_STORAGE",
     "REPLAY_END_SEQ",
     "REPLAY_END_SEQ_BYTES",
+    "SEQ_BYTES",
     "AllBlocksCleared",
     "BlockHash",
     "BlockRemoved",

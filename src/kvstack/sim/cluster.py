@@ -57,14 +57,19 @@ def _offset(port: int, i: int) -> int:
     return port + i if port else 0
 
 
-async def start_engine(opts: SimOptions, tokenizer: Tokenizer, sampler: OutputSampler, i: int) -> RunningEngine:
+async def start_engine(
+    opts: SimOptions, tokenizer: Tokenizer, sampler: OutputSampler, i: int
+) -> RunningEngine:
     """Start engine ``i``: publisher, engine loop and HTTP site."""
     publisher = None
     events_cfg = None
     if opts.kv_events:
         endpoint = f"tcp://{opts.host}:{_offset(opts.kv_events_port, i)}"
         replay = f"tcp://{opts.host}:{_offset(opts.replay_port, i)}" if opts.replay else None
-        publisher = KVEventPublisher(endpoint, replay_endpoint=replay, legacy_array=opts.legacy_event_encoding)
+        # Rank 0, as a single vLLM engine stamps its batches.
+        publisher = KVEventPublisher(
+            endpoint, replay_endpoint=replay, legacy_array=opts.legacy_event_encoding, data_parallel_rank=0
+        )
         await publisher.start()
         # Advertise a wildcard host, as vLLM does; consumers substitute the engine's address.
         events_cfg = {
@@ -106,7 +111,9 @@ async def stop_engine(running: RunningEngine) -> None:
         await running.publisher.close()
 
 
-async def serve(opts: SimOptions, tokenizer: Tokenizer, *, ready: asyncio.Future[list[RunningEngine]] | None = None) -> None:
+async def serve(
+    opts: SimOptions, tokenizer: Tokenizer, *, ready: asyncio.Future[list[RunningEngine]] | None = None
+) -> None:
     """Start ``opts.engines`` engines and serve until cancelled."""
     sampler = OutputSampler(tokenizer, seed=opts.engine.seed, mean_output_len=opts.engine.mean_output_len)
     started: list[RunningEngine] = []

@@ -12,9 +12,11 @@ import contextlib
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
+from kvstack.engines.kv_events import KVEvent
 from kvstack.sim.kv_cache import KVCache
 from kvstack.sim.metrics import EngineMetrics
 from kvstack.sim.scheduler import LatencyModel, Scheduler, SimRequest, Status
@@ -23,14 +25,12 @@ from kvstack.sim.textgen import OutputSampler
 log = logging.getLogger(__name__)
 
 
-class EventSink:
-    """Where a step's KV events go (the ZMQ publisher, or nothing)."""
+class EventSink(Protocol):
+    """Where a step's KV events go: the ZMQ publisher, one batch per step."""
 
-    def publish(self, events: list[object]) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> None: ...
 
-    def flush(self) -> None:  # pragma: no cover - interface
-        raise NotImplementedError
+    def flush(self) -> int | None: ...
 
 
 @dataclass(slots=True)
@@ -214,5 +214,5 @@ class SimEngine:
             return
         events = self.kv.take_events()
         if events:
-            self.events.publish(list(events))
+            self.events.publish(events)
             self.events.flush()

@@ -17,14 +17,14 @@ key blocks by token ids.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from array import array
 
 import xxhash
 
-from kvstack.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+from kvstack.engines.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 NULL_BLOCK_ID = 0
 
@@ -41,7 +41,7 @@ class Block:
 def chain_block_hashes(
     token_ids: Sequence[int], block_size: int, *, seed: int, parent: int | None = None, start: int = 0
 ) -> list[int]:
-    """Chained 63-bit hashes of the full blocks of ``token_ids[start:]``; ``parent`` hashes the block before."""
+    """Chained 63-bit hashes of the full blocks of ``token_ids[start:]``; ``parent``: the block before."""
     hashes: list[int] = []
     prev = parent if parent is not None else seed
     for begin in range(start, len(token_ids) - block_size + 1, block_size):
@@ -189,7 +189,7 @@ class KVCache:
         """Register ``blocks[num_cached:num_full]`` as full and reusable; emits one BlockStored."""
         if not self.enable_prefix_caching or num_full <= num_cached:
             return
-        new_hashes: list[int] = []
+        new_hashes: list[BlockHash] = []
         for i in range(num_cached, num_full):
             block, h = blocks[i], block_hashes[i]
             new_hashes.append(h)

@@ -13,12 +13,74 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from kvstack.sim.scheduler import SimRequest, StepStats
 
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)  # fmt: skip
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
 ITERATION_TOKENS_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 PARAMS_N_BUCKETS = (1, 2, 5, 10, 20)
 PREEMPTIONS_BUCKETS = (1, 2, 3, 4, 5, 10, 20)
@@ -72,7 +134,10 @@ class EngineMetrics:
         self.running = gauge("vllm:num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.")
         by_reason = Gauge(
-            "vllm:num_requests_waiting_by_reason", "Waiting requests by reason.", [*names, "reason"], registry=reg
+            "vllm:num_requests_waiting_by_reason",
+            "Waiting requests by reason.",
+            [*names, "reason"],
+            registry=reg,
         )
         self.waiting_capacity = by_reason.labels(**labels, reason="capacity")
         self.waiting_deferred = by_reason.labels(**labels, reason="deferred")
@@ -89,18 +154,26 @@ class EngineMetrics:
             self.prefix_queries = counter("vllm:prefix_cache_queries", "Prefix cache queries in tokens.")
             self.prefix_hits = counter("vllm:prefix_cache_hits", "Prefix cache hits in tokens.")
         self.external_queries = counter(
-            "vllm:external_prefix_cache_queries", "Prefix cache queries answered through a KV connector, in tokens."
+            "vllm:external_prefix_cache_queries",
+            "Prefix cache queries answered through a KV connector, in tokens.",
         )
         self.external_hits = counter(
             "vllm:external_prefix_cache_hits", "Prefix cache hits supplied through a KV connector, in tokens."
         )
         self.preemptions = counter("vllm:num_preemptions", "Preemptions since start.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens processed.")
-        by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by source.", [*names, "source"], registry=reg)
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source", "Prompt tokens by source.", [*names, "source"], registry=reg
+        )
         self.prompt_by_source = {s: by_source.labels(**labels, source=s) for s in PROMPT_SOURCES}
-        self.prompt_cached = counter("vllm:prompt_tokens_cached", "Prompt tokens not computed (local + external).")
+        self.prompt_cached = counter(
+            "vllm:prompt_tokens_cached", "Prompt tokens not computed (local + external)."
+        )
         cached_by = Counter(
-            "vllm:prompt_tokens_cached_by_source", "Cached prompt tokens by tier.", [*names, "source"], registry=reg
+            "vllm:prompt_tokens_cached_by_source",
+            "Cached prompt tokens by tier.",
+            [*names, "source"],
+            registry=reg,
         )
         self.cached_by_source = {s: cached_by.labels(**labels, source=s) for s in CACHED_SOURCES}
         self.generation_tokens = counter("vllm:generation_tokens", "Generated tokens.")
@@ -108,7 +181,9 @@ class EngineMetrics:
             "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"], registry=reg
         )
         self.success = {r: success.labels(**labels, finished_reason=r) for r in FINISHED_REASONS}
-        self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets
+        )
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request.", token_buckets
         )
@@ -123,12 +198,18 @@ class EngineMetrics:
             "vllm:request_params_max_tokens", "The max_tokens parameter of requests.", token_buckets
         )
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        itl_name = "vllm:time_per_output_token_seconds" if legacy_names else "vllm:inter_token_latency_seconds"
+        itl_name = (
+            "vllm:time_per_output_token_seconds" if legacy_names else "vllm:inter_token_latency_seconds"
+        )
         self.itl = histogram(itl_name, "Time between output tokens.", ITL_BUCKETS)
         self.tpot = histogram(
-            "vllm:request_time_per_output_token_seconds", "Mean time per output token per request.", ITL_BUCKETS
+            "vllm:request_time_per_output_token_seconds",
+            "Mean time per output token per request.",
+            ITL_BUCKETS,
         )
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "End-to-end request time.", REQUEST_LATENCY_BUCKETS)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "End-to-end request time.", REQUEST_LATENCY_BUCKETS
+        )
         self.queue_time = histogram(
             "vllm:request_queue_time_seconds", "Time a request waited.", REQUEST_LATENCY_BUCKETS
         )
@@ -145,7 +226,9 @@ class EngineMetrics:
             "vllm:request_num_preemptions", "Preemptions per request.", PREEMPTIONS_BUCKETS
         )
         self.prefill_computed = histogram(
-            "vllm:request_prefill_kv_computed_tokens", "Prompt tokens computed (not cached) per request.", token_buckets
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens computed (not cached) per request.",
+            token_buckets,
         )
         info = Gauge(
             "vllm:cache_config_info",
@@ -191,7 +274,11 @@ class EngineMetrics:
 
     def observe_first_token(self, req: SimRequest) -> None:
         """Prompt accounting happens when the prompt is done, as vLLM counts it from the prefill output."""
-        prompt, cached, external = req.num_prompt_tokens, max(req.num_cached_tokens, 0), req.num_external_tokens
+        prompt, cached, external = (
+            req.num_prompt_tokens,
+            max(req.num_cached_tokens, 0),
+            req.num_external_tokens,
+        )
         computed = prompt - cached
         self.prompt_tokens.inc(prompt)
         self.prompt_by_source["local_compute"].inc(computed)

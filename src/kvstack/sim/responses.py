@@ -81,7 +81,8 @@ def chat_logprobs(
                 "logprob": alts[0][1],
                 "bytes": list(text.encode()),
                 "top_logprobs": [
-                    {"token": text_of(a), "logprob": lp, "bytes": list(text_of(a).encode())} for a, lp in alts[:k]
+                    {"token": text_of(a), "logprob": lp, "bytes": list(text_of(a).encode())}
+                    for a, lp in alts[:k]
                 ],
             }
         )
@@ -212,7 +213,12 @@ def chat_role_chunk(request_id: str, model: str, created: int, index: int) -> di
         "created": created,
         "model": model,
         "choices": [
-            {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            {
+                "index": index,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
         ],
         "prompt_token_ids": None,
         "prompt_text": None,
@@ -248,7 +254,9 @@ def chat_chunk(
     }
 
 
-def usage_chunk(request_id: str, model: str, created: int, usage_obj: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+def usage_chunk(
+    request_id: str, model: str, created: int, usage_obj: dict[str, Any], *, chat: bool
+) -> dict[str, Any]:
     return {
         "id": request_id,
         "object": "chat.completion.chunk" if chat else "text_completion",

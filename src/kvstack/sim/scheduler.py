@@ -14,6 +14,7 @@ preempted re-schedules are not counted.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
 from collections import deque
@@ -156,10 +157,8 @@ class Scheduler:
         if req.status is Status.RUNNING:
             self.running.remove(req)
         else:
-            try:
+            with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-            except ValueError:
-                pass
         req.finish_reason = "abort"
         self._release(req)
 

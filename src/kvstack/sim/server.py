@@ -139,7 +139,9 @@ class SimServer:
 
     async def models(self, request: web.Request) -> web.Response:
         cfg = self.config
-        return json_response(R.models_list(cfg.served_model_names, cfg.model_root, cfg.max_model_len, self._created))
+        return json_response(
+            R.models_list(cfg.served_model_names, cfg.model_root, cfg.max_model_len, self._created)
+        )
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self.engine.metrics.render(), content_type="text/plain", charset="utf-8")
@@ -149,10 +151,8 @@ class SimServer:
         return json_response({"0": cfg} if cfg else {})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        ok = self.engine.reset_prefix_cache()
-        if not ok:
-            raise errors.bad_request("Failed to reset prefix cache: requests are still holding blocks")
-        return web.Response(status=200)
+        # Like vLLM: refused (success false) while running requests hold blocks; callers retry.
+        return json_response({"success": self.engine.reset_prefix_cache()})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.as_json())
@@ -226,8 +226,12 @@ class SimServer:
         out = []
         for prompt in req.prompts:
             ids = self._prompt_ids(prompt)
-            max_tokens = check_lengths(len(ids), req.options.max_tokens, self.config.max_model_len, chat=False)
-            out.append(self._generate_request(self.engine.next_request_id("cmpl"), ids, model, req, max_tokens))
+            max_tokens = check_lengths(
+                len(ids), req.options.max_tokens, self.config.max_model_len, chat=False
+            )
+            out.append(
+                self._generate_request(self.engine.next_request_id("cmpl"), ids, model, req, max_tokens)
+            )
         return json_response(out)
 
     async def render_chat(self, request: web.Request) -> web.Response:
@@ -235,10 +239,17 @@ class SimServer:
         model = self._check_model(req.model)
         ids = self._chat_ids(req)
         max_tokens = check_lengths(len(ids), req.options.max_tokens, self.config.max_model_len, chat=True)
-        return json_response(self._generate_request(self.engine.next_request_id("chatcmpl"), ids, model, req, max_tokens))
+        return json_response(
+            self._generate_request(self.engine.next_request_id("chatcmpl"), ids, model, req, max_tokens)
+        )
 
     def _generate_request(
-        self, request_id: str, ids: list[int], model: str, req: CompletionRequest | ChatRequest, max_tokens: int
+        self,
+        request_id: str,
+        ids: list[int],
+        model: str,
+        req: CompletionRequest | ChatRequest,
+        max_tokens: int,
     ) -> dict[str, Any]:
         o = req.options
         return {
@@ -282,7 +293,9 @@ class SimServer:
         prompts = []
         for prompt in req.prompts:
             ids = self._prompt_ids(prompt)
-            max_tokens = check_lengths(len(ids), req.options.max_tokens, self.config.max_model_len, chat=False)
+            max_tokens = check_lengths(
+                len(ids), req.options.max_tokens, self.config.max_model_len, chat=False
+            )
             prompts.append((ids, max_tokens))
         return await self._generate(request, req, model, prompts, chat=False)
 
@@ -294,7 +307,13 @@ class SimServer:
         return await self._generate(request, req, model, [(ids, max_tokens)], chat=True)
 
     def _submit(
-        self, request_id: str, ids: list[int], max_tokens: int, opts: SamplingOptions, kvp: dict[str, Any] | None, i: int
+        self,
+        request_id: str,
+        ids: list[int],
+        max_tokens: int,
+        opts: SamplingOptions,
+        kvp: dict[str, Any] | None,
+        i: int,
     ) -> RequestStream:
         sampler = self.engine.sampler
         seed = None if opts.seed is None else opts.seed + i
@@ -396,7 +415,11 @@ class SimServer:
             if k is not None:
                 text_of = self.tokenizer.token_str
                 vocab = self.tokenizer.vocab_size
-                lp = R.chat_logprobs(tokens, k, vocab, text_of) if chat else R.completion_logprobs(tokens, k, vocab, text_of)
+                lp = (
+                    R.chat_logprobs(tokens, k, vocab, text_of)
+                    if chat
+                    else R.completion_logprobs(tokens, k, vocab, text_of)
+                )
             if chat:
                 choice = R.chat_choice(seq.index, seq.text, seq.finish_reason, logprobs=lp)
             else:
@@ -467,14 +490,26 @@ class SimServer:
                     )
                 if chat:
                     chunk = R.chat_chunk(
-                        request_id, model, created, seq.index, delta, seq.finish_reason,
-                        logprobs=lp, stop_reason=seq.stop_reason,
-                    )  # fmt: skip
+                        request_id,
+                        model,
+                        created,
+                        seq.index,
+                        delta,
+                        seq.finish_reason,
+                        logprobs=lp,
+                        stop_reason=seq.stop_reason,
+                    )
                 else:
                     chunk = R.completion_chunk(
-                        request_id, model, created, seq.index, delta, seq.finish_reason,
-                        logprobs=lp, stop_reason=seq.stop_reason,
-                    )  # fmt: skip
+                        request_id,
+                        model,
+                        created,
+                        seq.index,
+                        delta,
+                        seq.finish_reason,
+                        logprobs=lp,
+                        stop_reason=seq.stop_reason,
+                    )
                 if continuous:
                     chunk["usage"] = self._usage([seq], chat=chat, full=False)
                 await send(chunk)
@@ -482,7 +517,11 @@ class SimServer:
                     remaining -= 1
                     self.engine.abort(seq.stream)
             if include_usage:
-                await send(R.usage_chunk(request_id, model, created, self._usage(seqs, chat=chat, full=False), chat=chat))
+                await send(
+                    R.usage_chunk(
+                        request_id, model, created, self._usage(seqs, chat=chat, full=False), chat=chat
+                    )
+                )
             await resp.write(DONE)
             await resp.write_eof()
         finally:
@@ -494,14 +533,18 @@ class SimServer:
         # Prompt tokens count once per prompt, however many choices it has (as in vLLM).
         per_prompt: dict[int, tuple[int, int]] = {}
         for seq in seqs:
-            per_prompt.setdefault(seq.prompt_index, (seq.prompt_len, max(seq.stream.req.num_cached_tokens, 0)))
+            per_prompt.setdefault(
+                seq.prompt_index, (seq.prompt_len, max(seq.stream.req.num_cached_tokens, 0))
+            )
         prompt_tokens = sum(p for p, _ in per_prompt.values())
         cached_tokens = sum(c for _, c in per_prompt.values())
         completion = sum(len(s.tokens) for s in seqs)
         details = cached_tokens if self.config.enable_prompt_tokens_details else None
         return R.usage(prompt_tokens, completion, details, chat=chat, full=full)
 
-    def _kv_transfer_response(self, req: CompletionRequest | ChatRequest, seqs: list[_Seq]) -> dict[str, Any] | None:
+    def _kv_transfer_response(
+        self, req: CompletionRequest | ChatRequest, seqs: list[_Seq]
+    ) -> dict[str, Any] | None:
         """P/D prefill side: tell the decode side where to pull the prompt's KV from."""
         kvp = req.kv_transfer_params
         if not kvp or not kvp.get("do_remote_decode"):

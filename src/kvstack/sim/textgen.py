@@ -28,7 +28,12 @@ def printable_token_ids(tokenizer: Tokenizer) -> list[int]:
             text = tokenizer.token_str(tid)
         except (ValueError, IndexError, KeyError):
             continue
-        if text and text.isascii() and text.isprintable() and not (text.startswith("<|") and text.endswith("|>")):
+        if (
+            text
+            and text.isascii()
+            and text.isprintable()
+            and not (text.startswith("<|") and text.endswith("|>"))
+        ):
             ids.append(tid)
     if not ids:
         raise ValueError(f"tokenizer {tokenizer.name} has no printable tokens to generate")
