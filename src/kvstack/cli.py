@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvstack import __version__
 
@@ -76,7 +77,7 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _run_sim(args: argparse.Namespace) -> int:
     from kvstack.engines.tokenizer import load_tokenizer
-    from kvstack.sim.cluster import SimOptions, serve
+    from kvstack.sim.cluster import RunningEngine, SimOptions, serve
     from kvstack.sim.engine import EngineConfig
     from kvstack.sim.faults import FaultConfig
     from kvstack.sim.scheduler import LatencyModel
@@ -136,11 +137,12 @@ def _run_sim(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        ready: asyncio.Future[list] = loop.create_future()  # type: ignore[type-arg]
-        task = asyncio.create_task(serve(opts, tokenizer, ready=ready))
+        ready: asyncio.Future[list[RunningEngine]] = loop.create_future()
+        task: asyncio.Future[None] = asyncio.ensure_future(serve(opts, tokenizer, ready=ready))
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, task.cancel)
-        done, _ = await asyncio.wait({task, ready}, return_when=asyncio.FIRST_COMPLETED)
+        waiters: set[asyncio.Future[Any]] = {task, ready}
+        done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         if task in done:
             task.result()  # start-up failed: raise its error
             return

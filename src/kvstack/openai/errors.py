@@ -51,7 +51,14 @@ class OpenAIError(Exception):
         """The JSON response body."""
         if self.detail_only:
             return {"detail": self.message}
-        return {"error": {"message": self.message, "type": self.err_type, "param": self.param, "code": self.status}}
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
 
     def to_json(self) -> bytes:
         """The response body encoded compactly, as vLLM's JSONResponse does."""
@@ -78,7 +85,9 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 def invalid_parameter(message: str, param: str | None = None, value: object = None) -> OpenAIError:
     """400 BadRequestError for a rejected request parameter, worded like vLLM's VLLMValidationError."""
-    return OpenAIError(HTTPStatus.BAD_REQUEST, _with_parameter(message, param, value), "BadRequestError", param)
+    return OpenAIError(
+        HTTPStatus.BAD_REQUEST, _with_parameter(message, param, value), "BadRequestError", param
+    )
 
 
 def request_validation(errors: list[str], param: str | None) -> OpenAIError:

@@ -153,7 +153,6 @@ class SimEngine:
         req.finish_time = self.now()
         self._streams.pop(id(req), None)
         self.metrics.observe_finished(req)
-        self._publish_events()
 
     def next_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids):x}"
@@ -167,9 +166,8 @@ class SimEngine:
         return len(self.scheduler.waiting)
 
     def reset_prefix_cache(self) -> bool:
-        ok = self.kv.reset()
-        self._publish_events()
-        return ok
+        """Forget cached blocks; like vLLM, AllBlocksCleared goes out with the next step's batch."""
+        return self.kv.reset()
 
     # -- the loop ----------------------------------------------------------------------------------
     async def _run(self) -> None:

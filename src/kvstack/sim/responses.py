@@ -282,7 +282,7 @@ def models_list(names: list[str], root: str, max_model_len: int, created: int) -
                 "max_model_len": max_model_len,
                 "permission": [
                     {
-                        "id": f"modelperm-{xxhash.xxh64_hexdigest(name)}",
+                        "id": f"modelperm-{xxhash.xxh64_hexdigest(name.encode())}",
                         "object": "model_permission",
                         "created": created,
                         "allow_create_engine": False,

@@ -27,6 +27,9 @@ from kvstack.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     SamplingOptions,
+    ServingLimits,
+    check_content_type,
+    check_engine_input,
     check_lengths,
     check_token_ids,
     parse_chat_request,
@@ -94,7 +97,8 @@ class SimServer:
         self.faults = config.faults.validate()
         self._rng = random.Random(config.fault_seed)
         self._created = int(time.time())
-        self._hold_timers: set[asyncio.TimerHandle] = set()
+        self._hold_timers: dict[str, asyncio.TimerHandle] = {}
+        self.limits = ServingLimits(tuple(config.served_model_names), config.max_model_len)
 
     # -- app ------------------------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -122,7 +126,7 @@ class SimServer:
         self.engine.start()
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        for timer in self._hold_timers:
+        for timer in self._hold_timers.values():
             timer.cancel()
         await self.engine.stop()
 
@@ -173,13 +177,9 @@ class SimServer:
         return json_response(self.faults.as_json())
 
     # -- tokenization ---------------------------------------------------------------------------------
-    def _check_model(self, name: str | None) -> str:
-        names = self.config.served_model_names
-        if name is None or name == "":
-            return names[0]
-        if name not in names:
-            raise errors.not_found_model(name, names)
-        return name
+    async def _body(self, request: web.Request) -> bytes:
+        check_content_type(request.headers.get("Content-Type"))
+        return await request.read()
 
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
@@ -202,8 +202,7 @@ class SimServer:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def tokenize(self, request: web.Request) -> web.Response:
-        req = parse_tokenize_request(await request.read())
-        self._check_model(req.model)
+        req = parse_tokenize_request(await self._body(request), self.limits)
         if req.messages is not None:
             chat = ChatRequest.for_tokenize(req)
             ids = self._chat_ids(chat)
@@ -215,33 +214,26 @@ class SimServer:
         )
 
     async def detokenize(self, request: web.Request) -> web.Response:
-        req = parse_detokenize_request(await request.read())
-        self._check_model(req.model)
+        req = parse_detokenize_request(await self._body(request), self.limits)
         valid = [t for t in req.tokens if 0 <= t < self.tokenizer.vocab_size]
-        return json_response({"prompt": self.tokenizer.decode(valid)})
+        # vLLM decodes with special tokens kept.
+        return json_response({"prompt": self.tokenizer.decode(valid, skip_special_tokens=False)})
 
     async def render_completion(self, request: web.Request) -> web.Response:
-        req = parse_completion_request(await request.read())
-        model = self._check_model(req.model)
-        out = []
-        for prompt in req.prompts:
-            ids = self._prompt_ids(prompt)
-            max_tokens = check_lengths(
-                len(ids), req.options.max_tokens, self.config.max_model_len, chat=False
-            )
-            out.append(
-                self._generate_request(self.engine.next_request_id("cmpl"), ids, model, req, max_tokens)
-            )
+        req = parse_completion_request(await self._body(request), self.limits)
+        model = req.model or self.limits.served_models[0]
+        out = [
+            self._generate_request(self.engine.next_request_id("cmpl"), ids, model, req, max_tokens)
+            for ids, max_tokens in self._completion_prompts(req)
+        ]
         return json_response(out)
 
     async def render_chat(self, request: web.Request) -> web.Response:
-        req = parse_chat_request(await request.read())
-        model = self._check_model(req.model)
-        ids = self._chat_ids(req)
-        max_tokens = check_lengths(len(ids), req.options.max_tokens, self.config.max_model_len, chat=True)
-        return json_response(
-            self._generate_request(self.engine.next_request_id("chatcmpl"), ids, model, req, max_tokens)
-        )
+        req = parse_chat_request(await self._body(request), self.limits)
+        model = req.model or self.limits.served_models[0]
+        ids, max_tokens = self._chat_prompt(req)
+        rid = self.engine.next_request_id("chatcmpl")
+        return json_response(self._generate_request(rid, ids, model, req, max_tokens))
 
     def _generate_request(
         self,
@@ -288,23 +280,44 @@ class SimServer:
 
     # -- generation ---------------------------------------------------------------------------------
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_completion_request(await request.read())
-        model = self._check_model(req.model)
-        prompts = []
-        for prompt in req.prompts:
-            ids = self._prompt_ids(prompt)
-            max_tokens = check_lengths(
-                len(ids), req.options.max_tokens, self.config.max_model_len, chat=False
-            )
-            prompts.append((ids, max_tokens))
-        return await self._generate(request, req, model, prompts, chat=False)
+        req = parse_completion_request(await self._body(request), self.limits)
+        model = req.model or self.limits.served_models[0]
+        return await self._generate(request, req, model, self._completion_prompts(req), chat=False)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = parse_chat_request(await request.read())
-        model = self._check_model(req.model)
+        req = parse_chat_request(await self._body(request), self.limits)
+        model = req.model or self.limits.served_models[0]
+        return await self._generate(request, req, model, [self._chat_prompt(req)], chat=True)
+
+    def _completion_prompts(self, req: CompletionRequest) -> list[tuple[list[int], int]]:
+        """Token ids and effective max_tokens of each prompt, checked as vLLM checks them."""
+        out = []
+        for prompt in req.prompts:
+            ids = self._prompt_ids(prompt, req.add_special_tokens)
+            max_tokens = check_lengths(
+                len(ids),
+                req.options.max_tokens,
+                self.config.max_model_len,
+                min_tokens=req.options.min_tokens,
+                max_tokens_param=req.max_tokens_param,
+                from_text=isinstance(prompt, str),
+            )
+            check_engine_input(req.options, ids, self.tokenizer.vocab_size)
+            out.append((ids, max_tokens))
+        return out
+
+    def _chat_prompt(self, req: ChatRequest) -> tuple[list[int], int]:
         ids = self._chat_ids(req)
-        max_tokens = check_lengths(len(ids), req.options.max_tokens, self.config.max_model_len, chat=True)
-        return await self._generate(request, req, model, [(ids, max_tokens)], chat=True)
+        max_tokens = check_lengths(
+            len(ids),
+            req.options.max_tokens,
+            self.config.max_model_len,
+            chat=True,
+            min_tokens=req.options.min_tokens,
+            max_tokens_param=req.max_tokens_param,
+        )
+        check_engine_input(req.options, ids, self.tokenizer.vocab_size)
+        return ids, max_tokens
 
     def _submit(
         self,
@@ -554,9 +567,8 @@ class SimServer:
         held = self.engine.scheduler.held_blocks(sim_req.request_id)
         timeout = self.config.kv_hold_timeout
         if held:
-            loop = asyncio.get_running_loop()
-            timer = loop.call_later(timeout, self.engine.scheduler.release_held, sim_req.request_id)
-            self._hold_timers.add(timer)
+            rid = sim_req.request_id
+            self._hold_timers[rid] = asyncio.get_running_loop().call_later(timeout, self._release_held, rid)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -567,6 +579,10 @@ class SimServer:
             "remote_port": self.config.advertise_port,
             "tp_size": 1,
         }
+
+    def _release_held(self, request_id: str) -> None:
+        self._hold_timers.pop(request_id, None)
+        self.engine.scheduler.release_held(request_id)
 
     def _created_now(self) -> int:
         return int(time.time())
