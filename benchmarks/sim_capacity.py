@@ -639,7 +639,16 @@ def machine() -> dict[str, Any]:
         "python": platform.python_version(),
         "kernel": platform.release(),
         "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
+        "busy_pct_before_start": round(idle_check(), 1),
     }
+
+
+def idle_check(seconds: float = 1.0) -> float:
+    """Busy share of all cores over ``seconds`` before the run: other work on the machine skews results."""
+    busy0, all0 = machine_cpu_ticks()
+    time.sleep(seconds)
+    busy1, all1 = machine_cpu_ticks()
+    return 100 * (busy1 - busy0) / max(1, all1 - all0)
 
 
 def _raise_fd_limit() -> None:
@@ -663,6 +672,11 @@ def main(argv: list[str] | None = None) -> int:
     _raise_fd_limit()
     args.results.parent.mkdir(parents=True, exist_ok=True)
     host, t0 = machine(), time.monotonic()
+    if host["busy_pct_before_start"] > 20:
+        console.print(
+            f"[yellow]the machine was {host['busy_pct_before_start']:.0f}% busy before the run "
+            "(other processes): latencies will be skewed; see the machine busy% column[/]"
+        )
     out: dict[str, Any] = {"single": [], "multi": None, "sim_commands": [], "stopped": None}
     try:
         import uvloop

@@ -43,6 +43,9 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--no-enable-prefix-caching", dest="prefix_caching", action="store_false")
     g.add_argument("--max-num-seqs", type=int, default=256)
     g.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    g.add_argument(
+        "--max-num-queued-reqs", type=int, default=None, help="503 beyond this many unfinished seqs"
+    )
     g = p.add_argument_group("latency model (seconds at --time-scale 1)")
     g.add_argument("--time-scale", type=float, default=1.0, help="run N times faster, same ratios")
     g.add_argument("--prefill-per-token", type=float, default=0.00005)
@@ -107,6 +110,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         num_gpu_blocks=args.num_gpu_blocks,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_queued_reqs=args.max_num_queued_reqs,
         enable_prefix_caching=args.prefix_caching,
         time_scale=args.time_scale,
         seed=args.seed,

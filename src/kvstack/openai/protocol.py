@@ -592,44 +592,63 @@ class _Fields:
         return self.literal("none", "auto", "required")(value, loc)
 
 
-_OPENAI_ROLES = ("developer", "system", "user", "assistant")
-# Keys only vLLM's custom message type declares; a message carrying one is validated as that type.
-_CUSTOM_KEYS = frozenset({"tool_call_id", "tool_calls", "reasoning", "tools", "task"})
+# Keys only vLLM's custom-role message type declares, per OpenAI role: a message carrying one is read
+# as the custom type when that type accepts it.
+_CUSTOM_KEYS = {
+    "developer": frozenset({"tool_call_id", "tool_calls", "reasoning", "tools", "task"}),
+    "system": frozenset({"tool_call_id", "tool_calls", "reasoning", "tools", "task"}),
+    "user": frozenset({"tool_call_id", "tool_calls", "reasoning", "tools", "task"}),
+    "assistant": frozenset({"tool_call_id", "reasoning", "tools", "task"}),
+    "tool": frozenset({"name", "tool_calls", "reasoning", "tools", "task"}),
+    "function": frozenset({"tool_call_id", "tool_calls", "reasoning", "tools", "task"}),
+}
+
+
+def _openai_valid(m: dict[str, Any]) -> bool:
+    """Whether one of OpenAI's message types accepts `m`; their content parts are checked lazily."""
+    role, content = m.get("role"), m.get("content", _MISSING)
+    if "name" in m and not isinstance(m["name"], str):
+        return False
+    iterable = isinstance(content, (str, list, dict))
+    if role in ("developer", "system", "user"):
+        return iterable
+    if role == "assistant":
+        return content is _MISSING or content is None or iterable
+    if role == "tool":
+        return iterable and isinstance(m.get("tool_call_id"), str)
+    if role == "function":
+        return "content" in m and (content is None or isinstance(content, str)) and "name" in m
+    return False
+
+
+def _custom_valid(m: dict[str, Any]) -> bool:
+    """Whether vLLM's custom-role message type accepts `m` (it checks content parts up front)."""
+    content = m.get("content", _MISSING)
+    if not isinstance(m.get("role"), str) or ("name" in m and not isinstance(m["name"], str)):
+        return False
+    if content is not _MISSING and not isinstance(content, (str, list)):
+        return False
+    if isinstance(content, list) and not all(isinstance(p, (str, dict)) for p in content):
+        return False
+    if any(m.get(k) is not None and not isinstance(m[k], str) for k in ("tool_call_id", "reasoning", "task")):
+        return False
+    for key in ("tool_calls", "tools"):
+        value = m.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, dict) for v in value)):
+            return False
+    return True
 
 
 def _openai_form(m: dict[str, Any]) -> bool:
-    """Whether `m` is read as one of OpenAI's own message types, whose content parts vLLM validates
-    only when rendering; otherwise it is vLLM's custom-role type, validated up front."""
-    role = m.get("role")
-    extra = m.keys() & _CUSTOM_KEYS
-    if role == "tool":
-        return isinstance(m.get("tool_call_id"), str) and not extra - {"tool_call_id"} and "name" not in m
-    if role == "assistant":
-        extra -= {"tool_calls"}
-    return role in _OPENAI_ROLES and not extra
+    """Whether `m` is read as an OpenAI message type rather than vLLM's custom-role type."""
+    if not _openai_valid(m):
+        return False
+    return not (m.keys() & _CUSTOM_KEYS.get(m["role"], frozenset()) and _custom_valid(m))
 
 
 def _message_matches(m: dict[str, Any]) -> bool:
     """Whether some member of vLLM's message union accepts `m` (an approximation of pydantic's)."""
-    role = m.get("role")
-    if not isinstance(role, str) or ("name" in m and not isinstance(m["name"], str)):
-        return False
-    content = m.get("content", _MISSING)
-    if content is None:
-        return role == "assistant" or (role == "function" and "name" in m)
-    if content is not _MISSING and not isinstance(content, (str, list, dict)):
-        return False
-    if _openai_form(m):
-        return True
-    optional_str = ("tool_call_id", "reasoning", "task")
-    optional_list = ("tool_calls", "tools")
-    if any(m.get(k) is not None and not isinstance(m[k], str) for k in optional_str):
-        return False
-    if any(m.get(k) is not None and not isinstance(m[k], list) for k in optional_list):
-        return False
-    return not isinstance(content, dict) and (
-        not isinstance(content, list) or all(isinstance(p, (str, dict)) for p in content)
-    )
+    return _openai_valid(m) or _custom_valid(m)
 
 
 def _validation_error(issues: list[_Issue]) -> OpenAIError:
@@ -1262,6 +1281,8 @@ def _check_content_parts(messages: list[dict[str, Any]]) -> bool:
                     f"1 validation error for ValidatorIterator\n{i}\n  Input should be a content part "
                     f"such as {{'type': 'text', 'text': '...'}} [input_value={_summarize(part)}]"
                 )
+            elif not lazy and isinstance(part, dict) and "text" in part and not isinstance(part["text"], str):
+                raise errors.bad_request(f"Content part {i} has a non-string 'text': {_summarize(part)}")
             elif not lazy and isinstance(part, dict) and kind is None:
                 raise errors.invalid_parameter("Missing 'type' field in multimodal part.", "type")
             elif not lazy and kind is not None and kind not in _PART_TYPES:

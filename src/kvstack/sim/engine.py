@@ -64,6 +64,8 @@ class EngineConfig:
     num_gpu_blocks: int = 8192
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # vLLM's --max-num-queued-reqs: cap on unfinished sequences, beyond which requests get 503.
+    max_num_queued_reqs: int | None = None
     enable_prefix_caching: bool = True
     time_scale: float = 1.0
     seed: int = 0
@@ -164,6 +166,10 @@ class SimEngine:
     @property
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.scheduler.running) + len(self.scheduler.waiting)
 
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; like vLLM, AllBlocksCleared goes out with the next step's batch."""

@@ -12,11 +12,18 @@ import random
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
 
-ERROR_MESSAGES = {
-    429: ("Too many requests: the simulated engine is rate limiting (fault injection).", "TooManyRequests"),
-    500: ("Internal server error injected by the simulated engine.", "InternalServerError"),
-    503: ("Service unavailable: the simulated engine is overloaded (fault injection).", "ServiceUnavailable"),
+from kvstack.openai import errors
+from kvstack.openai.errors import OpenAIError
+
+INJECTED_ERRORS = {
+    429: lambda: errors.rate_limited("Too many requests (fault injected by kvstack sim)"),
+    500: lambda: errors.internal_error("Internal server error (fault injected by kvstack sim)"),
+    503: lambda: errors.service_unavailable("Service unavailable (fault injected by kvstack sim)"),
 }
+
+
+def injected_error(code: int) -> OpenAIError:
+    return INJECTED_ERRORS[code]()
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,8 +40,8 @@ class FaultConfig:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be within [0, 1], got {value}")
-        if not self.error_codes or any(c not in ERROR_MESSAGES for c in self.error_codes):
-            raise ValueError(f"error_codes must be a non-empty subset of {sorted(ERROR_MESSAGES)}")
+        if not self.error_codes or any(c not in INJECTED_ERRORS for c in self.error_codes):
+            raise ValueError(f"error_codes must be a non-empty subset of {sorted(INJECTED_ERRORS)}")
         if self.drop_after_chunks < 0 or self.first_token_delay < 0:
             raise ValueError("drop_after_chunks and first_token_delay must be non-negative")
         return self

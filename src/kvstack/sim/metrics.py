@@ -181,6 +181,14 @@ class EngineMetrics:
             "vllm:request_success", "Finished requests by reason.", [*names, "finished_reason"], registry=reg
         )
         self.success = {r: success.labels(**labels, finished_reason=r) for r in FINISHED_REASONS}
+        rejections = Counter(
+            "vllm:admission_rejections",
+            "Requests refused by a queue limit.",
+            ["model_name", "reason"],
+            registry=reg,
+        )
+        self.admission_rejected = rejections.labels(model_name=model_name, reason="max_num_queued_reqs")
+        rejections.labels(model_name=model_name, reason="max_num_queued_tokens")
         self.request_prompt_tokens = histogram(
             "vllm:request_prompt_tokens", "Prompt tokens per request.", token_buckets
         )

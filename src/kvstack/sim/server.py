@@ -40,7 +40,7 @@ from kvstack.openai.protocol import (
 from kvstack.openai.sse import DONE, encode_event
 from kvstack.sim import responses as R
 from kvstack.sim.engine import RequestStream, SimEngine
-from kvstack.sim.faults import ERROR_MESSAGES, FaultConfig, FaultDraw, draw
+from kvstack.sim.faults import FaultConfig, FaultDraw, draw, injected_error
 from kvstack.sim.scheduler import SimRequest
 
 log = logging.getLogger(__name__)
@@ -361,11 +361,15 @@ class SimServer:
         if fault.hang:
             await _wait_forever()
         if fault.error_code is not None:
-            message, err_type = ERROR_MESSAGES[fault.error_code]
-            raise OpenAIError(fault.error_code, message, err_type, None)
+            raise injected_error(fault.error_code)
+        n = req.options.n
+        limit = self.engine.config.max_num_queued_reqs
+        if limit is not None and self.engine.num_unfinished + n * len(prompts) > limit:
+            # vLLM's admission control: 503 so that balancers retry elsewhere.
+            self.engine.metrics.admission_rejected.inc()
+            raise errors.engine_overloaded()
 
         request_id = self.engine.next_request_id("chatcmpl" if chat else "cmpl")
-        n = req.options.n
         seqs: list[_Seq] = []
         for p_idx, (ids, max_tokens) in enumerate(prompts):
             self.engine.metrics.observe_new_request(n=n, max_tokens=max_tokens)
