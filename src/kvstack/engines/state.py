@@ -1,0 +1,94 @@
+"""What the router knows about each engine: the shared state types read by scheduling and written by
+discovery, the metrics scraper and the proxy. Plain data; no I/O.
+
+Unknown is never zero: a load signal the engine did not export, or exported too long ago, is ``None``,
+and scorers treat ``None`` as saturated rather than idle.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class EngineRole(enum.Enum):
+    """Disaggregation role; ``BOTH`` serves whole requests."""
+
+    BOTH = "both"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class CircuitState(enum.Enum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """An engine as discovery found it."""
+
+    url: str  # base URL, e.g. "http://10.0.0.5:8000", no trailing slash
+    engine_type: str = "vllm"  # catalog key: vllm, sglang, trtllm, triton
+    role: EngineRole = EngineRole.BOTH
+    models: frozenset[str] = frozenset()  # empty until /v1/models answered (or given by config)
+    labels: tuple[tuple[str, str], ...] = ()  # discovery labels (pod labels, static config), sorted
+    node: str | None = None  # host/node name, for cache-tier locality
+    kv_events_endpoint: str | None = None  # ZMQ endpoint of its KV events, when known
+
+
+@dataclass(slots=True)
+class LoadSignals:
+    """Load readings from one scrape, already mapped through the engine's catalog. None = not exported."""
+
+    queue: float | None = None  # requests waiting
+    running: float | None = None  # requests running
+    kv_usage: float | None = None  # 0..1
+    prefix_cache_queries: float | None = None  # counter, tokens
+    prefix_cache_hits: float | None = None  # counter, tokens
+    block_size: int | None = None
+    num_blocks: int | None = None
+
+
+@dataclass(slots=True)
+class MetricsReading:
+    """The latest scrape of an engine's /metrics."""
+
+    signals: LoadSignals
+    scraped_at: float  # time.monotonic() of the scrape
+    missing: frozenset[str] = frozenset()  # catalog names the engine did not export
+    aliases_used: tuple[tuple[str, str], ...] = ()  # (expected name, legacy name found instead)
+
+    def age(self, now: float | None = None) -> float:
+        return (time.monotonic() if now is None else now) - self.scraped_at
+
+
+@dataclass(slots=True)
+class EngineState:
+    """Everything the router tracks about one engine; scheduling reads it, never writes it."""
+
+    endpoint: Endpoint
+    metrics: MetricsReading | None = None
+    metrics_stale: bool = True  # no scrape yet, or the last good one is older than the staleness limit
+    healthy: bool = True  # last health check / scrape reached the engine
+    draining: bool = False  # admin asked to stop sending new requests
+    circuit: CircuitState = CircuitState.CLOSED
+    in_flight: int = 0  # requests the router has sent and not finished
+    recent_requests: list[float] = field(default_factory=list)  # monotonic send times, bounded by the owner
+    knowledge: str = "none"  # where routing knowledge comes from: "kv-events", "approximate", "none"
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    def signals(self) -> LoadSignals | None:
+        """Fresh load signals, or None when unknown (no scrape, or stale)."""
+        if self.metrics is None or self.metrics_stale:
+            return None
+        return self.metrics.signals
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy and not self.draining and self.circuit is not CircuitState.OPEN
