@@ -1,0 +1,433 @@
+"""The router's HTTP data plane (aiohttp): OpenAI endpoints proxied to the engine scheduling picks.
+
+Routes:
+- POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses, /tokenize, /detokenize:
+  parsed just enough to route (model, stream, session key, prompt), then proxied;
+- GET /v1/models: the union of the engines' models;
+- GET /health (the router is alive), /ready (every configured model has a routable engine; JSON detail),
+  /metrics (the router's own ``kvstack_`` metrics), /engines (JSON state of every engine);
+- POST /admin/engines (add), DELETE /admin/engines?url= (remove), POST /admin/engines/drain and /undrain,
+  protected by ``admin_key`` when set.
+Client API keys (``Authorization: Bearer``) are checked when configured. Every error is OpenAI error JSON.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvstack.engines.state import Endpoint, EngineRole, EngineState
+from kvstack.openai import errors
+from kvstack.openai.errors import OpenAIError
+from kvstack.router.admission import AdmissionController, AdmissionRejected
+from kvstack.router.metrics import RouterMetrics
+from kvstack.router.proxy import Outcome, Proxy, Timeouts
+from kvstack.router.registry import EngineRegistry
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+
+PROXIED_PATHS = (
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/tokenize",
+    "/detokenize",
+)
+SESSION_HEADER = "x-session-id"
+
+
+def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(
+        body=_json.encode(body), status=status, content_type="application/json", headers=headers
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs from a request body; scheduling never sees the raw bytes."""
+
+    path: str
+    model: str | None
+    stream: bool
+    session_key: str | None
+    request_id: str
+    body: dict[str, Any]
+
+
+class Picker(Protocol):
+    """The scheduling entry point as the router uses it: candidates in preference order."""
+
+    def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
+        """(profile name, engine URLs: the chosen one first, then fallbacks for retries)."""
+        ...
+
+
+@dataclass
+class RouterConfig:
+    max_body_bytes: int = 32 * 1024 * 1024
+    api_keys: frozenset[str] = frozenset()
+    admin_key: str | None = None
+    timeouts: Timeouts = field(default_factory=Timeouts)
+    models_refresh_s: float = 30.0
+    models_timeout_s: float = 2.0
+
+
+class RouterApp:
+    def __init__(
+        self,
+        config: RouterConfig,
+        registry: EngineRegistry,
+        picker: Picker,
+        proxy: Proxy,
+        admission: AdmissionController,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        *,
+        expected_models: frozenset[str] = frozenset(),
+        extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry
+        self.picker = picker
+        self.proxy = proxy
+        self.admission = admission
+        self.metrics = metrics
+        self.session = session
+        self.expected_models = expected_models
+        self.extra_state = extra_state
+        self._model_tasks: dict[str, asyncio.Task[None]] = {}
+
+    # -- app ------------------------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth]
+        )
+        r = app.router
+        for path in PROXIED_PATHS:
+            r.add_post(path, self.proxied)
+        r.add_get("/v1/models", self.models)
+        r.add_get("/health", self.health)
+        r.add_get("/ready", self.ready)
+        r.add_get("/metrics", self.prometheus)
+        r.add_get("/engines", self.engines)
+        r.add_post("/admin/engines", self.admin_add)
+        r.add_delete("/admin/engines", self.admin_remove)
+        r.add_post("/admin/engines/drain", self.admin_drain)
+        r.add_post("/admin/engines/undrain", self.admin_undrain)
+        app.on_cleanup.append(self._cleanup)
+        return app
+
+    async def _cleanup(self, app: web.Application) -> None:
+        for task in self._model_tasks.values():
+            task.cancel()
+        for task in self._model_tasks.values():
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except OpenAIError as err:
+            return json_response(err.body(), status=err.status)
+        except web.HTTPRequestEntityTooLarge:
+            too_large = OpenAIError(
+                413,
+                f"request body larger than {self.config.max_body_bytes} bytes",
+                "Request Entity Too Large",
+            )
+            return json_response(too_large.body(), status=413)
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            http_error = OpenAIError(exc.status, exc.reason, exc.reason)
+            return json_response(http_error.body(), status=exc.status)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        path = request.path
+        admin_key = self.config.admin_key
+        if path.startswith("/admin/"):
+            if admin_key is not None and not _bearer_matches(request, {admin_key}):
+                raise OpenAIError(
+                    401, "admin endpoints need Authorization: Bearer <admin key>", "AuthenticationError"
+                )
+        elif (
+            self.config.api_keys
+            and path not in ("/health", "/ready", "/metrics")
+            and not _bearer_matches(request, self.config.api_keys)
+        ):
+            raise OpenAIError(401, "invalid or missing API key", "AuthenticationError")
+        return await handler(request)
+
+    # -- engine bookkeeping --------------------------------------------------------------------------
+    def add_engine(self, endpoint: Endpoint) -> None:
+        self.registry.upsert(endpoint)
+        self.metrics.set_circuit(endpoint.url, self.registry.get(endpoint.url).breaker.state)  # type: ignore[union-attr]
+        if endpoint.url not in self._model_tasks:
+            self._model_tasks[endpoint.url] = asyncio.get_running_loop().create_task(
+                self._refresh_models(endpoint.url)
+            )
+
+    def remove_engine(self, url: str) -> bool:
+        task = self._model_tasks.pop(url, None)
+        if task is not None:
+            task.cancel()
+        removed = self.registry.remove(url) is not None
+        if removed:
+            self.metrics.forget_engine(url)
+        return removed
+
+    async def _refresh_models(self, url: str) -> None:
+        """Learn an engine's served models from its /v1/models, quickly at first, then periodically."""
+        delay = 0.2
+        while True:
+            entry = self.registry.get(url)
+            if entry is None:
+                return
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.config.models_timeout_s)
+                async with self.session.get(f"{url}/v1/models", timeout=timeout) as resp:
+                    data = await resp.json(content_type=None)
+                models = frozenset(m["id"] for m in data["data"])
+                if models != entry.state.endpoint.models:
+                    entry.state.endpoint = _replace_models(entry.state.endpoint, models)
+                delay = self.config.models_refresh_s
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                log.debug("engine %s: /v1/models failed: %r", url, exc)
+                delay = (
+                    min(delay * 2, 5.0) if not entry.state.endpoint.models else self.config.models_refresh_s
+                )
+            await asyncio.sleep(delay)
+
+    # -- handlers ----------------------------------------------------------------------------------
+    async def health(self, request: web.Request) -> web.Response:
+        return json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        states = self.registry.states()
+        models = set(self.expected_models) or {m for s in states for m in s.endpoint.models}
+        detail = {}
+        for model in sorted(models):
+            routable = [s.url for s in states if model in s.endpoint.models and s.routable]
+            detail[model] = {"routable_engines": routable}
+        ok = bool(models) and all(d["routable_engines"] for d in detail.values())
+        body = {"ready": ok, "models": detail, "engines": len(states)}
+        return json_response(body, status=200 if ok else 503)
+
+    async def prometheus(self, request: web.Request) -> web.Response:
+        states = self.registry.states()
+        for s in states:
+            self.metrics.set_circuit(s.url, s.circuit)
+        self.metrics.engines.labels(state="routable").set(sum(1 for s in states if s.routable))
+        self.metrics.engines.labels(state="unroutable").set(sum(1 for s in states if not s.routable))
+        self.metrics.queue_depth.set(self.admission.queued)
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def models(self, request: web.Request) -> web.Response:
+        now = int(time.time())
+        data = [
+            {"id": m, "object": "model", "created": now, "owned_by": "kvstack"}
+            for m in sorted(self.registry.models())
+        ]
+        return json_response({"object": "list", "data": data})
+
+    async def engines(self, request: web.Request) -> web.Response:
+        out = []
+        now = time.monotonic()
+        for s in self.registry.states():
+            reading = s.metrics
+            item: dict[str, Any] = {
+                "url": s.url,
+                "type": s.endpoint.engine_type,
+                "role": s.endpoint.role.value,
+                "models": sorted(s.endpoint.models),
+                "routable": s.routable,
+                "healthy": s.healthy,
+                "draining": s.draining,
+                "circuit": s.circuit.value,
+                "in_flight": s.in_flight,
+                "metrics": None
+                if reading is None
+                else {
+                    "age_seconds": round(reading.age(now), 3),
+                    "stale": s.metrics_stale,
+                    "queue": reading.signals.queue,
+                    "running": reading.signals.running,
+                    "kv_usage": reading.signals.kv_usage,
+                    "missing": sorted(reading.missing),
+                    "aliases_used": [list(a) for a in reading.aliases_used],
+                },
+                "routing_knowledge": s.knowledge,
+            }
+            if self.extra_state is not None:
+                item.update(self.extra_state(s))
+            out.append(item)
+        return json_response({"engines": out})
+
+    async def admin_add(self, request: web.Request) -> web.Response:
+        body = await _json_object(request)
+        url = body.get("url")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise errors.bad_request("body needs 'url': an http(s) base URL of an engine", "url")
+        try:
+            role = EngineRole(body.get("role", "both"))
+        except ValueError:
+            raise errors.bad_request(f"role must be one of {[r.value for r in EngineRole]}", "role") from None
+        models = body.get("models") or []
+        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+            raise errors.bad_request("models must be a list of strings", "models")
+        endpoint = Endpoint(
+            url=url.rstrip("/"),
+            engine_type=str(body.get("type", "vllm")),
+            role=role,
+            models=frozenset(models),
+            node=body.get("node"),
+            kv_events_endpoint=body.get("kv_events_endpoint"),
+        )
+        self.add_engine(endpoint)
+        return json_response({"added": endpoint.url})
+
+    async def admin_remove(self, request: web.Request) -> web.Response:
+        url = request.query.get("url", "").rstrip("/")
+        if not self.remove_engine(url):
+            raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
+        return json_response({"removed": url})
+
+    async def admin_drain(self, request: web.Request) -> web.Response:
+        return await self._set_draining(request, True)
+
+    async def admin_undrain(self, request: web.Request) -> web.Response:
+        return await self._set_draining(request, False)
+
+    async def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
+        body = await _json_object(request)
+        url = str(body.get("url", "")).rstrip("/")
+        if not self.registry.set_draining(url, draining):
+            raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
+        entry = self.registry.get(url)
+        in_flight = entry.state.in_flight if entry else 0
+        return json_response({"url": url, "draining": draining, "in_flight": in_flight})
+
+    async def proxied(self, request: web.Request) -> web.StreamResponse:
+        started = time.monotonic()
+        raw = await request.read()
+        route = self._parse(request, raw)
+        timeouts = self.config.timeouts.overridden(request.headers)
+        model_label = route.model or "default"
+        outcome = Outcome()
+        try:
+            async with self.admission.slot():
+                profile, candidates = self._candidates(route)
+                self.metrics.decisions.labels(profile=profile, engine=candidates[0]).inc()
+                response = await self.proxy.forward(
+                    request,
+                    path=route.path,
+                    body=raw,
+                    candidates=candidates,
+                    stream=route.stream,
+                    request_id=route.request_id,
+                    timeouts=timeouts,
+                    outcome=outcome,
+                )
+        except AdmissionRejected as rej:
+            self.metrics.admission_rejections.labels(reason=rej.reason).inc()
+            err = errors.rate_limited(f"router is at capacity ({rej.reason}); retry later")
+            outcome.status = 429
+            return json_response(err.body(), 429, headers={"Retry-After": rej.retry_after_header})
+        except OpenAIError as err:
+            outcome.status = err.status
+            raise
+        finally:
+            status = str(outcome.status or 499)
+            self.metrics.requests.labels(
+                model=model_label, engine=outcome.engine or "none", status=status
+            ).inc()
+            if outcome.first_byte_at is not None:
+                self.metrics.ttft.labels(model=model_label).observe(outcome.first_byte_at - started)
+                self.metrics.e2e.labels(model=model_label).observe(time.monotonic() - started)
+        return response
+
+    def _parse(self, request: web.Request, raw: bytes) -> RouteRequest:
+        content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type and content_type != "application/json":
+            raise errors.unsupported_media_type()
+        try:
+            body = _decode.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise errors.bad_request(f"request body is not valid JSON: {exc}", "body") from None
+        if not isinstance(body, dict):
+            raise errors.bad_request("request body must be a JSON object", "body")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise errors.bad_request("model must be a string", "model")
+        known = self.registry.models()
+        if model is None and len(known) > 1:
+            raise errors.bad_request(f"model is required: this router serves {sorted(known)}", "model")
+        all_known = all(e.state.endpoint.models for e in self.registry)
+        if model is not None and all_known and model not in known:
+            raise errors.not_found_model(model, sorted(known))
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise errors.bad_request("stream must be a boolean", "stream")
+        session = request.headers.get(SESSION_HEADER)
+        if session is None and isinstance(body.get("user"), str):
+            session = body["user"]
+        request_id = request.headers.get("x-request-id") or f"kvs-{uuid.uuid4().hex}"
+        return RouteRequest(request.path, model, stream, session, request_id, body)
+
+    def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
+        states = self.registry.states()
+        if route.model is not None:
+            # An engine whose models are not known yet may serve it; its answer will tell.
+            serving = [s for s in states if not s.endpoint.models or route.model in s.endpoint.models]
+        else:
+            serving = states
+        if not serving:
+            raise errors.not_found_model(route.model or "", sorted(self.registry.models()))
+        routable = [s for s in serving if s.routable]
+        if not routable:
+            raise errors.service_unavailable(
+                f"no routable engine for model {route.model!r}: {len(serving)} engine(s) serve it, none is "
+                "healthy with a closed circuit"
+            )
+        return self.picker.pick(route, routable)
+
+
+def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:
+    return dataclasses.replace(endpoint, models=models)
+
+
+def _bearer_matches(request: web.Request, keys: set[str] | frozenset[str]) -> bool:
+    header = request.headers.get("Authorization", "")
+    if not header.startswith("Bearer "):
+        return False
+    token = header[len("Bearer ") :]
+    return any(hmac.compare_digest(token, k) for k in keys)
+
+
+async def _json_object(request: web.Request) -> dict[str, Any]:
+    try:
+        body = _decode.decode(await request.read())
+    except msgspec.DecodeError:
+        raise errors.bad_request("body must be JSON", "body") from None
+    if not isinstance(body, dict):
+        raise errors.bad_request("body must be a JSON object", "body")
+    return body

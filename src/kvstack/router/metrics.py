@@ -1,0 +1,105 @@
+"""The router's own Prometheus metrics. All names start with ``kvstack_`` and carry their unit; none reuses
+an engine's ``vllm:`` name, so engine and router series never mix on one dashboard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from kvstack.engines.state import CircuitState
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+CIRCUIT_VALUES = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = reg = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "kvstack_router_requests",
+            "Requests answered, by model, engine and HTTP status.",
+            ["model", "engine", "status"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "kvstack_router_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "kvstack_router_request_duration_seconds",
+            "Time from request arrival to the last response byte.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.in_flight = Gauge(
+            "kvstack_router_in_flight_requests",
+            "Requests sent to an engine and not finished.",
+            ["engine"],
+            registry=reg,
+        )
+        self.retries = Counter(
+            "kvstack_router_retries",
+            "Attempts retried on another engine, by reason.",
+            ["reason"],
+            registry=reg,
+        )
+        self.circuit = Gauge(
+            "kvstack_router_circuit_state",
+            "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+            ["engine"],
+            registry=reg,
+        )
+        self.decisions = Counter(
+            "kvstack_router_routing_decisions",
+            "Routing decisions by scheduling profile and engine.",
+            ["profile", "engine"],
+            registry=reg,
+        )
+        self.admission_rejections = Counter(
+            "kvstack_router_admission_rejections",
+            "Requests refused by admission control.",
+            ["reason"],
+            registry=reg,
+        )
+        self.queue_depth = Gauge(
+            "kvstack_router_queued_requests", "Requests waiting for admission.", registry=reg
+        )
+        self.upstream_errors = Counter(
+            "kvstack_router_upstream_errors",
+            "Failed attempts against engines, by engine and reason.",
+            ["engine", "reason"],
+            registry=reg,
+        )
+        self.scrape_errors = Counter(
+            "kvstack_engine_scrape_errors",
+            "Failed /metrics scrapes, by engine and reason.",
+            ["engine", "reason"],
+            registry=reg,
+        )
+        self.metric_missing = Gauge(
+            "kvstack_engine_metric_missing",
+            "1 while an engine does not export a metric its catalog expects.",
+            ["engine", "metric"],
+            registry=reg,
+        )
+        self.engines = Gauge(
+            "kvstack_router_engines", "Engines known to the router, by routability.", ["state"], registry=reg
+        )
+
+    def set_circuit(self, engine: str, state: CircuitState) -> None:
+        self.circuit.labels(engine=engine).set(CIRCUIT_VALUES[state])
+
+    def forget_engine(self, engine: str) -> None:
+        """Drop an engine's labelled series when it leaves, so removed engines do not linger (bounded)."""
+        for metric in (self.in_flight, self.circuit):
+            with contextlib.suppress(KeyError):
+                metric.remove(engine)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

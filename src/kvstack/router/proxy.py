@@ -1,0 +1,341 @@
+"""Forwarding one request to an engine: streaming passthrough, timeouts, retries and aborts.
+
+- Bytes are relayed as they arrive (SSE and chunked bodies alike); nothing is buffered beyond one read.
+- Timeouts: connect, first byte (request sent -> response headers), idle gap between body reads, and a
+  total deadline. Each can be overridden per request by headers ``x-kvstack-timeout-{connect,first-byte,
+  idle,total}`` (seconds).
+- Retries go to the next candidate engine, only before any byte reached the client, for connect
+  errors, first-byte timeouts and statuses 429, 502, 503, 504; exponential backoff with full jitter.
+  When every attempt failed, the last engine response is passed on, or a 502/504 OpenAI error.
+- The circuit breaker hears every outcome except client errors (4xx) and client disconnects.
+- A client that goes away (the handler is cancelled, or a write fails) closes the upstream connection,
+  which is how vLLM learns to abort the request.
+- After bytes were sent, an upstream failure cannot change the status: a stream gets a final SSE error
+  event and ends; a plain body ends short. Never a hang: the idle timeout bounds every wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from kvstack.openai import errors
+from kvstack.openai.errors import OpenAIError
+from kvstack.openai.sse import encode_error_event
+from kvstack.router.metrics import RouterMetrics
+from kvstack.router.registry import EngineEntry, EngineRegistry
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones aiohttp recomputes.
+_DROP_REQUEST_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+        "authorization",
+    }
+)
+_DROP_RESPONSE_HEADERS = frozenset(
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
+)
+TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    connect: float = 5.0
+    first_byte: float = 120.0
+    idle: float = 60.0
+    total: float = 1800.0
+
+    def overridden(self, headers: Mapping[str, str]) -> Timeouts:
+        """Per-request overrides from ``x-kvstack-timeout-*`` headers; bad values raise a 400."""
+        changes: dict[str, float] = {}
+        for name in ("connect", "first-byte", "idle", "total"):
+            raw = headers.get(TIMEOUT_HEADER_PREFIX + name)
+            if raw is None:
+                continue
+            try:
+                value = float(raw)
+            except ValueError:
+                value = -1.0
+            if not 0 < value <= 86400:
+                header = TIMEOUT_HEADER_PREFIX + name
+                raise errors.bad_request(f"header {header} must be seconds in (0, 86400], got {raw!r}")
+            changes[name.replace("-", "_")] = value
+        return replace(self, **changes) if changes else self
+
+
+@dataclass(frozen=True, slots=True)
+class RetryPolicy:
+    max_attempts: int = 3
+    backoff_base: float = 0.02
+    backoff_max: float = 1.0
+
+    def backoff(self, attempt: int, rng: random.Random) -> float:
+        """Full jitter: uniform in [0, min(max, base * 2^attempt)]."""
+        return rng.uniform(0, min(self.backoff_max, self.backoff_base * (2**attempt)))
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What happened to a proxied request, for metrics and the approximate prefix index."""
+
+    engine: str | None = None
+    status: int = 0
+    attempts: int = 0
+    first_byte_at: float | None = None
+    bytes_sent: int = 0
+    error: str | None = None
+
+
+class _Retryable(Exception):
+    def __init__(
+        self, reason: str, response: aiohttp.ClientResponse | None = None, body: bytes = b""
+    ) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response
+        self.body = body
+
+
+class Proxy:
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        registry: EngineRegistry,
+        metrics: RouterMetrics,
+        *,
+        timeouts: Timeouts | None = None,
+        retry: RetryPolicy | None = None,
+        rng: random.Random | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.session = session
+        self.registry = registry
+        self.metrics = metrics
+        self.timeouts = timeouts or Timeouts()
+        self.retry = retry or RetryPolicy()
+        self._rng = rng or random.Random()
+        self._clock = clock
+
+    async def forward(
+        self,
+        request: web.Request,
+        *,
+        path: str,
+        body: bytes,
+        candidates: list[str],
+        stream: bool,
+        request_id: str,
+        timeouts: Timeouts,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        """Send ``body`` to the first candidate that answers; relay its response to the client."""
+        started = self._clock()
+        deadline = started + timeouts.total
+        headers = _forward_headers(request.headers, request_id)
+        last_error: _Retryable | None = None
+        tried = 0
+        for url in candidates:
+            if tried >= self.retry.max_attempts:
+                break
+            entry = self.registry.get(url)
+            if entry is None or not entry.breaker.allow():
+                continue
+            if tried:
+                self.metrics.retries.labels(reason=last_error.reason if last_error else "unknown").inc()
+                await asyncio.sleep(self.retry.backoff(tried - 1, self._rng))
+            tried += 1
+            outcome.attempts = tried
+            outcome.engine = url
+            try:
+                return await self._attempt(
+                    request, entry, path, body, headers, stream, timeouts, deadline, outcome
+                )
+            except _Retryable as exc:
+                if last_error is not None and last_error.response is not None:
+                    last_error.response.release()
+                last_error = exc
+                self.metrics.upstream_errors.labels(engine=url, reason=exc.reason).inc()
+                log.info(
+                    "engine %s failed (%s) for request %s; trying the next engine",
+                    url,
+                    exc.reason,
+                    request_id,
+                )
+        if last_error is not None and last_error.response is not None:
+            # Every engine refused: pass the last engine's answer on unchanged.
+            resp = last_error.response
+            outcome.status = resp.status
+            out = web.Response(
+                status=resp.status, body=last_error.body, headers=_response_headers(resp, request_id)
+            )
+            resp.release()
+            return out
+        if last_error is not None:
+            outcome.error = last_error.reason
+            if last_error.reason.endswith("timeout"):
+                raise errors.gateway_timeout(f"no engine answered in time ({last_error.reason})")
+            raise OpenAIError(502, f"no engine could be reached ({last_error.reason})", "BadGatewayError")
+        raise errors.service_unavailable("no routable engine: every candidate's circuit is open")
+
+    async def _attempt(
+        self,
+        request: web.Request,
+        entry: EngineEntry,
+        path: str,
+        body: bytes,
+        headers: CIMultiDict[str],
+        stream: bool,
+        timeouts: Timeouts,
+        deadline: float,
+        outcome: Outcome,
+    ) -> web.StreamResponse:
+        state, breaker = entry.state, entry.breaker
+        url = state.url
+        state.in_flight += 1
+        self.registry.note_sent(state, self._clock())
+        self.metrics.in_flight.labels(engine=url).set(state.in_flight)
+        upstream: aiohttp.ClientResponse | None = None
+        settled = False
+
+        def settle(ok: bool | None) -> None:
+            nonlocal settled
+            if settled:
+                return
+            settled = True
+            if ok is True:
+                breaker.record_success()
+            elif ok is False:
+                breaker.record_failure()
+            else:
+                breaker.release_probe()
+            self.metrics.set_circuit(url, breaker.state)
+
+        try:
+            client_timeout = aiohttp.ClientTimeout(
+                total=None, sock_connect=timeouts.connect, connect=timeouts.connect
+            )
+            first_byte = min(timeouts.first_byte, max(0.0, deadline - self._clock()))
+            try:
+                async with asyncio.timeout(first_byte):
+                    upstream = await self.session.post(
+                        url + path, data=body, headers=headers, timeout=client_timeout, allow_redirects=False
+                    )
+            except TimeoutError:
+                settle(False)
+                raise _Retryable("first_byte_timeout") from None
+            except aiohttp.ClientConnectorError:
+                settle(False)
+                raise _Retryable("connect_error") from None
+            except (
+                aiohttp.ServerTimeoutError,
+                aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError,
+            ) as exc:
+                settle(False)
+                raise _Retryable(type(exc).__name__) from None
+
+            if upstream.status in RETRY_STATUSES:
+                data = await _read_small(upstream, timeouts.idle)
+                # 429 says "busy", not "broken": it does not trip the breaker.
+                settle(None if upstream.status == 429 else False)
+                raise _Retryable(f"status_{upstream.status}", upstream, data)
+            if upstream.status >= 500:
+                settle(False)
+            elif upstream.status >= 400:
+                settle(None)  # client errors say nothing about the engine
+
+            response = web.StreamResponse(
+                status=upstream.status, headers=_response_headers(upstream, headers["x-request-id"])
+            )
+            outcome.status = upstream.status
+            await response.prepare(request)
+            outcome.first_byte_at = self._clock()
+            is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
+            try:
+                while True:
+                    remaining = deadline - self._clock()
+                    if remaining <= 0:
+                        raise TimeoutError("total")
+                    async with asyncio.timeout(min(timeouts.idle, remaining)):
+                        chunk = await upstream.content.readany()
+                    if not chunk:
+                        break
+                    await response.write(chunk)
+                    outcome.bytes_sent += len(chunk)
+            except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                reason = "idle_timeout" if isinstance(exc, TimeoutError) else "upstream_broke"
+                outcome.error = reason
+                settle(False)
+                self.metrics.upstream_errors.labels(engine=url, reason=reason).inc()
+                if is_sse or stream:
+                    err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
+                    with contextlib.suppress(ConnectionError):
+                        await response.write(encode_error_event(err))
+                upstream.close()
+                with contextlib.suppress(ConnectionError):
+                    await response.write_eof()
+                return response
+            settle(upstream.status < 500)
+            await response.write_eof()
+            return response
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: closing the upstream connection makes the engine abort the request.
+            outcome.error = "client_disconnected"
+            settle(None)
+            if upstream is not None:
+                upstream.close()
+            raise
+        finally:
+            state.in_flight -= 1
+            self.metrics.in_flight.labels(engine=url).set(state.in_flight)
+            if upstream is not None:
+                upstream.release()
+
+
+async def _read_small(resp: aiohttp.ClientResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
+    try:
+        async with asyncio.timeout(wait_s):
+            return await resp.content.read(limit)
+    except (TimeoutError, aiohttp.ClientError):
+        return b""
+
+
+def _forward_headers(incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in incoming.items():
+        lk = key.lower()
+        if lk in _DROP_REQUEST_HEADERS or lk.startswith(TIMEOUT_HEADER_PREFIX):
+            continue
+        out.add(key, value)
+    out["x-request-id"] = request_id
+    return out
+
+
+def _response_headers(resp: aiohttp.ClientResponse, request_id: str) -> CIMultiDict[str]:
+    out: CIMultiDict[str] = CIMultiDict()
+    for key, value in resp.headers.items():
+        if key.lower() not in _DROP_RESPONSE_HEADERS:
+            out.add(key, value)
+    out["x-request-id"] = request_id
+    return out

@@ -1,0 +1,86 @@
+"""The router's table of engines: ``EngineState`` plus the circuit breaker of each, keyed by URL.
+
+Discovery adds and removes entries; admin endpoints drain them; the proxy updates in-flight counts and
+breaker outcomes; scheduling reads ``states()``. A removed engine's in-flight requests finish normally.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvstack.engines.state import Endpoint, EngineState
+from kvstack.router.circuit import CircuitBreaker, CircuitConfig
+
+# Send times kept per engine for least-QPS scoring; older ones are dropped.
+RECENT_WINDOW_S = 10.0
+RECENT_MAX = 4096
+
+
+@dataclass
+class EngineEntry:
+    state: EngineState
+    breaker: CircuitBreaker
+    added_at: float = field(default_factory=time.monotonic)
+
+
+class EngineRegistry:
+    def __init__(self, circuit: CircuitConfig | None = None) -> None:
+        self._entries: dict[str, EngineEntry] = {}
+        self._circuit = circuit or CircuitConfig()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, url: object) -> bool:
+        return url in self._entries
+
+    def __iter__(self) -> Iterator[EngineEntry]:
+        return iter(list(self._entries.values()))
+
+    def get(self, url: str) -> EngineEntry | None:
+        return self._entries.get(url)
+
+    def states(self) -> list[EngineState]:
+        """Current states with circuit state refreshed (an open breaker turns half-open on its own)."""
+        out = []
+        for entry in self._entries.values():
+            entry.state.circuit = entry.breaker.state
+            out.append(entry.state)
+        return out
+
+    def upsert(self, endpoint: Endpoint) -> EngineEntry:
+        """Add an engine, or update what discovery says about it, keeping its runtime state."""
+        entry = self._entries.get(endpoint.url)
+        if entry is None:
+            entry = EngineEntry(EngineState(endpoint), CircuitBreaker(self._circuit))
+            self._entries[endpoint.url] = entry
+        else:
+            entry.state.endpoint = endpoint
+        return entry
+
+    def remove(self, url: str) -> EngineEntry | None:
+        return self._entries.pop(url, None)
+
+    def set_draining(self, url: str, draining: bool) -> bool:
+        entry = self._entries.get(url)
+        if entry is None:
+            return False
+        entry.state.draining = draining
+        return True
+
+    def models(self) -> set[str]:
+        return {m for e in self._entries.values() for m in e.state.endpoint.models}
+
+    @staticmethod
+    def note_sent(state: EngineState, now: float) -> None:
+        recent = state.recent_requests
+        recent.append(now)
+        if len(recent) > RECENT_MAX or (recent and now - recent[0] > RECENT_WINDOW_S):
+            cut = 0
+            while cut < len(recent) and (
+                now - recent[cut] > RECENT_WINDOW_S or len(recent) - cut > RECENT_MAX
+            ):
+                cut += 1
+            del recent[:cut]
