@@ -13,7 +13,9 @@ from kvstack.openai.sse import DONE, DONE_PAYLOAD, SSEParser, encode_error_event
 
 def test_encode_event_is_compact_utf8_json() -> None:
     event = encode_event({"id": "cmpl-1", "choices": [{"text": "é\x13", "logprobs": None}], "n": 1.5})
-    assert event == b'data: {"id":"cmpl-1","choices":[{"text":"\xc3\xa9\\u0013","logprobs":null}],"n":1.5}\n\n'
+    assert (
+        event == b'data: {"id":"cmpl-1","choices":[{"text":"\xc3\xa9\\u0013","logprobs":null}],"n":1.5}\n\n'
+    )
 
 
 def test_done_marker() -> None:
@@ -67,7 +69,7 @@ def test_parser_skips_events_without_data() -> None:
 
 def test_parser_reports_a_truncated_event() -> None:
     parser = SSEParser()
-    assert parser.feed(b"data: {\"partial\"") == []
+    assert parser.feed(b'data: {"partial"') == []
     assert parser.has_partial
     assert parser.feed(b":1}\n") == []
     assert parser.has_partial
@@ -86,7 +88,7 @@ def test_parser_round_trips_random_payloads_under_random_chunking() -> None:
     rng = random.Random(7)
     for _ in range(200):
         payloads = [
-            {"i": i, "text": "".join(rng.choice("ab \u00e9\u2028:\\\"") for _ in range(rng.randint(0, 12)))}
+            {"i": i, "text": "".join(rng.choice('ab \u00e9\u2028:\\"') for _ in range(rng.randint(0, 12)))}
             for i in range(rng.randint(1, 6))
         ]
         stream = b"".join(encode_event(p) for p in payloads) + DONE

@@ -39,6 +39,8 @@ class OpenAIError(Exception):
         *,
         detail_only: bool = False,
     ) -> None:
+        # A message echoing a lone surrogate from the request would make the body unencodable.
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")
         super().__init__(message)
         self.status = int(status)
         self.message = message

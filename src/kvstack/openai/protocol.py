@@ -1,23 +1,27 @@
-"""Parsing and validation of OpenAI request bodies, rejecting bad input exactly as vLLM 0.32 does.
+"""Parsing and validation of OpenAI request bodies, refusing bad input as vLLM 0.32 does.
 
-vLLM checks a request in stages, and the first failing stage decides the response. kvstack keeps
-the stages, so a request with one fault gets vLLM's status, ``type`` and ``param``:
+vLLM checks a request in stages and the first failing stage answers. kvstack keeps the stages, so
+a request with one fault gets vLLM's status, ``type`` and ``param`` (and the gist of its message):
 
-1. body: Content-Type (`check_content_type`), JSON decoding, body must be an object;
-2. vLLM's pre-validators (empty prompt, ``stream_options`` without ``stream``, logprobs signs, tools);
-3. field types, with pydantic's lax coercions (``"5"`` is an int, ``"yes"`` a bool, ``1.0`` an int);
-   every field error is listed, ``param`` is the first one's location (``body.max_tokens``);
-4. with `ServingLimits`: model name (404) and ``max_tokens`` against the context length;
-5. rendering: empty prompt list, chat content parts, empty conversation, chat template flags;
-6. sampling ranges (``n``, penalties, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens``);
-7. after tokenizing, `check_lengths`: prompt too long, effective ``max_tokens`` (vLLM clamps it to the
-   room left in the context and rejects only when no room is left);
-8. `check_engine_input`: logprobs limit, token ids against the vocabulary, empty prompt. vLLM raises
-   these in the engine, after a streaming response has started: with ``stream`` they are an SSE error
-   event (`kvstack.openai.sse.encode_error_event`) followed by ``[DONE]``, not an HTTP 400.
+1. `check_content_type`; the body must decode as JSON (decoded like Python's json) into an object;
+2. vLLM's pre-validators on the raw body: empty prompt, ``stream_options`` without ``stream``,
+   logprobs signs, tool choice, cache salt ... (``BadRequestError``);
+3. field types with pydantic's lax coercions (``"5"`` is an int, ``"yes"`` a bool, ``2.0`` an int):
+   every error is listed and ``param`` is the first one's location, e.g. ``body.max_tokens``
+   (``Bad Request``);
+4. with `ServingLimits`: the model name (404), server flags (chat template, tool parser, mm kwargs),
+   ``max_tokens`` against the context length;
+5. rendering: empty prompt list, chat content parts, empty conversation, template flag conflicts;
+6. sampling ranges: ``n``, penalties, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens``;
+7. after tokenizing, `check_lengths`: prompt longer than the context (``input_tokens``), then the
+   output limit, which vLLM clamps to the room left and refuses only when no room is left;
+8. `check_engine_input`: logprobs limit, ids against the vocabulary, empty prompt. vLLM raises these
+   in the engine: with ``stream`` they arrive as an SSE error event after a 200
+   (`kvstack.openai.sse.encode_error_event`, then ``[DONE]``), otherwise as a 400.
 
-Stages 1-6 run in `parse_*`; vLLM runs 6 after 7, so only a request with several faults can get a
-different error first. Stages 2 and 3 answer ``type`` ``Bad Request`` or ``BadRequestError`` as vLLM does.
+`parse_*` run stages 1-6. vLLM runs 6 after 7, so only a request with several faults can see another
+error first. One deliberate difference: a non-object ``structured_outputs`` makes vLLM answer 500;
+kvstack answers the 400 its type check implies.
 """
 
 from __future__ import annotations
@@ -240,7 +244,7 @@ def decode_body(body: bytes | str | dict[str, Any] | None) -> Any:
     if len(raw) <= _INT_DIGITS_LIMIT or not _LONG_INT.search(raw):
         try:
             return _decoder.decode(body)
-        except (msgspec.DecodeError, ValueError):
+        except (msgspec.DecodeError, ValueError, RecursionError):
             pass
     # msgspec is strict where Python's json is lenient (NaN, Infinity, 1e400, a BOM, lone
     # surrogates, UTF-16): decode again the way vLLM does, and take its error position if it fails.
@@ -1175,8 +1179,9 @@ def parse_completion_request(
     if not v["prompt"]:
         raise errors.bad_request("You must pass at least one prompt")
     if v["suffix"] is not None:
-        message = "suffix is only supported for models with FIM completion rendering"
-        raise errors.invalid_parameter(message, "suffix")
+        raise errors.bad_request(
+            "suffix is only supported for models with FIM completion rendering", "suffix"
+        )
     options = _sampling_options(v, max_tokens=v["max_tokens"], logprobs=v["logprobs"])
     # vLLM lets echo with max_tokens 0 through: it generates one token and shows only the prompt.
     check_sampling(options, None if options.echo and options.max_tokens == 0 else options.max_tokens)
