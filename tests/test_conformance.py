@@ -647,3 +647,14 @@ def test_all_blocks_cleared_on_reset(engine: EngineProcess, tap: EventTap) -> No
     events = [ev for _, ev in tap.drain()]
     assert events[0] == AllBlocksCleared()
     assert [type(ev) for ev in events[1:]] == [BlockStored]
+
+
+def test_engine_input_errors_arrive_in_the_stream(engine: EngineProcess) -> None:
+    """Errors found when the engine takes a request are an SSE error event after a 200 when streaming."""
+    body = {"model": "tiny", "prompt": [1, 99999], "max_tokens": 2, "stream": True}
+    lines = stream_lines(engine, "/v1/completions", body)
+    assert lines[-1] == "[DONE]"
+    err = json.loads(lines[0])["error"]
+    assert err["code"] == 400 and "out of vocabulary" in err["message"]
+    status, _ = post(engine, "/v1/completions", {**body, "stream": False})
+    assert status == 400

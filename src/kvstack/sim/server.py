@@ -31,13 +31,12 @@ from kvstack.openai.protocol import (
     check_content_type,
     check_engine_input,
     check_lengths,
-    check_token_ids,
     parse_chat_request,
     parse_completion_request,
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from kvstack.openai.sse import DONE, encode_event
+from kvstack.openai.sse import DONE, encode_error_event, encode_event
 from kvstack.sim import responses as R
 from kvstack.sim.engine import RequestStream, SimEngine
 from kvstack.sim.faults import FaultConfig, FaultDraw, draw, injected_error
@@ -184,8 +183,7 @@ class SimServer:
     def _prompt_ids(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
-        check_token_ids(prompt, self.tokenizer.vocab_size)
-        return list(prompt)
+        return list(prompt)  # ids are checked with the engine input (check_engine_input)
 
     def _chat_ids(self, req: ChatRequest) -> list[int]:
         try:
@@ -302,7 +300,6 @@ class SimServer:
                 max_tokens_param=req.max_tokens_param,
                 from_text=isinstance(prompt, str),
             )
-            check_engine_input(req.options, ids, self.tokenizer.vocab_size)
             out.append((ids, max_tokens))
         return out
 
@@ -316,7 +313,6 @@ class SimServer:
             min_tokens=req.options.min_tokens,
             max_tokens_param=req.max_tokens_param,
         )
-        check_engine_input(req.options, ids, self.tokenizer.vocab_size)
         return ids, max_tokens
 
     def _submit(
@@ -357,6 +353,19 @@ class SimServer:
         *,
         chat: bool,
     ) -> web.StreamResponse:
+        try:
+            for ids, _ in prompts:
+                check_engine_input(req.options, ids, self.tokenizer.vocab_size)
+        except OpenAIError as err:
+            if not req.stream:
+                raise
+            # vLLM finds these when the engine takes the request, after a stream has started.
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream; charset=utf-8"})
+            await resp.prepare(request)
+            await resp.write(encode_error_event(err))
+            await resp.write(DONE)
+            await resp.write_eof()
+            return resp
         fault = draw(self.faults, self._rng, stream=req.stream)
         if fault.hang:
             await _wait_forever()
