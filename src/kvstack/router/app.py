@@ -394,21 +394,8 @@ class RouterApp:
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
     def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
-        states = self.registry.states()
-        if route.model is not None:
-            # An engine whose models are not known yet may serve it; its answer will tell.
-            serving = [s for s in states if not s.endpoint.models or route.model in s.endpoint.models]
-        else:
-            serving = states
-        if not serving:
-            raise errors.not_found_model(route.model or "", sorted(self.registry.models()))
-        routable = [s for s in serving if s.routable]
-        if not routable:
-            raise errors.service_unavailable(
-                f"no routable engine for model {route.model!r}: {len(serving)} engine(s) serve it, none is "
-                "healthy with a closed circuit"
-            )
-        return self.picker.pick(route, routable)
+        # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
+        return self.picker.pick(route, self.registry.states())
 
 
 def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:

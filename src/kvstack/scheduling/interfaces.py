@@ -1,0 +1,249 @@
+"""The scheduling contract: the request as scheduling sees it, the plugin kinds, and what a decision returns.
+
+A decision runs, per scheduling profile: filters in order (stop when none is left), then the weighted sum of
+the scorers' scores, then the picker. A profile handler chooses which profiles run and turns their results
+into one `SchedulingResult` (one profile normally; decode then prefill for P/D).
+
+Scheduling is pure: no network I/O and no knowledge of whether the router proxies the bytes itself or
+answers Envoy's ext_proc. Everything it reads is in `SchedulingRequest`, the `EngineState` list and
+`CycleState`; the only state kept between decisions is a plugin's own (a round-robin counter, a cached
+hash ring).
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Generic, NamedTuple, Self, TypeVar
+
+from kvstack.engines.state import EngineState
+from kvstack.scheduling.params import Param, check_params
+
+# Where the router looks for a session key, in order: headers (lower-cased names), then body fields.
+SESSION_HEADERS: tuple[str, ...] = ("x-session-id",)
+SESSION_BODY_FIELDS: tuple[str, ...] = ("user", "session_id")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingRequest:
+    """One request as scheduling sees it; the router (proxy or ext_proc) builds it from the parsed body."""
+
+    model: str
+    request_id: str
+    prompt_token_ids: Sequence[int] | None = None  # None when the router did not tokenize
+    session_key: str | None = None  # see extract_session_key
+    headers: Mapping[str, str] = field(default_factory=dict)  # lower-cased names; only what scheduling reads
+    body_fields: Mapping[str, object] = field(
+        default_factory=dict
+    )  # e.g. {"user": ...}; never the whole body
+
+
+def extract_session_key(
+    headers: Mapping[str, str],
+    body: Mapping[str, object],
+    header_names: Sequence[str] = SESSION_HEADERS,
+    body_fields: Sequence[str] = SESSION_BODY_FIELDS,
+) -> str | None:
+    """The request's session key: the first non-empty session header, else the first non-empty body field.
+
+    ``headers`` must be case-insensitive or have lower-cased names. Both modes (proxy and ext_proc) call
+    this, so a session lands on the same engine whichever mode routes it.
+    """
+    for name in header_names:
+        value = headers.get(name)
+        if value:
+            return value
+    for name in body_fields:
+        field_value = body.get(name)
+        if isinstance(field_value, str) and field_value:
+            return field_value
+        # bool is an int, but a session id of `true` is a client bug, not a key.
+        if isinstance(field_value, int) and not isinstance(field_value, bool):
+            return str(field_value)
+    return None
+
+
+T = TypeVar("T")
+
+
+class StateKey(Generic[T]):
+    """A typed slot in `CycleState`; plugins that share data import the same key object."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.name!r})"
+
+
+class CycleState:
+    """Scratch space of one decision, shared by its plugins and dropped afterwards.
+
+    ``now`` is the decision's clock (monotonic seconds), read once so every plugin sees the same time.
+    ``pool`` is every engine the caller passed in, before any filtering: plugins that keep structures
+    across decisions (the session ring) key them on the pool, which changes far less often than the
+    per-request candidate set.
+    """
+
+    __slots__ = ("_data", "now", "pool")
+
+    def __init__(self, now: float, pool: Sequence[EngineState] = ()) -> None:
+        self.now = now
+        self.pool = pool
+        self._data: dict[StateKey[Any], Any] | None = None  # most decisions never write, so allocate lazily
+
+    def get(self, key: StateKey[T]) -> T | None:
+        return None if self._data is None else self._data.get(key)
+
+    def set(self, key: StateKey[T], value: T) -> None:
+        if self._data is None:
+            self._data = {}
+        self._data[key] = value
+
+
+class Plugin(ABC):
+    """Base of every plugin: a registered type name, an instance name, and declared parameters."""
+
+    type_name: ClassVar[str]
+    kind: ClassVar[str]
+    params: ClassVar[tuple[Param, ...]] = ()
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.type_name
+
+    @classmethod
+    def from_params(cls, name: str | None = None, raw: Mapping[str, object] | None = None) -> Self:
+        """Build from a config entry's ``parameters``; raises PluginConfigError naming the bad parameter."""
+        kwargs = check_params(cls.type_name, name or cls.type_name, cls.params, raw)
+        return cls(name=name, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+class Filter(Plugin):
+    kind: ClassVar[str] = "filter"
+
+    @abstractmethod
+    def filter(
+        self, request: SchedulingRequest, state: CycleState, candidates: list[EngineState]
+    ) -> list[EngineState]:
+        """The candidates that may serve the request, in input order (may return the input list itself)."""
+
+
+class Scorer(Plugin):
+    kind: ClassVar[str] = "scorer"
+
+    @abstractmethod
+    def score(
+        self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EngineState]
+    ) -> dict[str, float]:
+        """Score per endpoint URL, higher is better, in [0, 1]: a missing URL scores 0, others are clamped."""
+
+
+class ScoredEngine(NamedTuple):
+    engine: EngineState
+    score: float  # weighted sum over the profile's scorers
+
+
+class Picker(Plugin):
+    kind: ClassVar[str] = "picker"
+
+    @abstractmethod
+    def pick(
+        self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]
+    ) -> list[EngineState]:
+        """Every candidate in preference order: the first is the target, the rest are retry fallbacks."""
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileResult:
+    """What one profile chose."""
+
+    profile: str
+    targets: tuple[EngineState, ...]  # preference order; empty when a filter left no candidate
+    scores: Mapping[str, float]  # weighted total per URL of the candidates that reached scoring
+    emptied_by: str | None = None  # the filter that left no candidate
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulingResult:
+    """The decision: per profile that ran, its result; which one carries the request; which prefills it.
+
+    Single-profile scheduling has one result and no prefill. A P/D handler returns the decode profile as
+    primary and names the prefill profile when the prompt should be prefilled elsewhere first.
+    """
+
+    primary_profile: str
+    profiles: Mapping[str, ProfileResult]
+    prefill_profile: str | None = None
+
+    @property
+    def primary(self) -> ProfileResult:
+        return self.profiles[self.primary_profile]
+
+    @property
+    def target(self) -> EngineState:
+        return self.primary.targets[0]
+
+    @property
+    def fallbacks(self) -> tuple[EngineState, ...]:
+        """Engines to retry on, in order, when the target fails before the first byte."""
+        return self.primary.targets[1:]
+
+    @property
+    def prefill(self) -> ProfileResult | None:
+        return None if self.prefill_profile is None else self.profiles[self.prefill_profile]
+
+
+class ProfileHandler(Plugin):
+    """Chooses which profiles run, and in which rounds, and combines their results.
+
+    The scheduler loop: ``names = pick(profiles, results)``; run those profiles; repeat until ``pick``
+    returns nothing; then ``process_results``. A decode-first P/D handler returns ["decode"] first, then,
+    if a prefill decider (e.g. uncached prompt tokens >= a threshold, read from CycleState) says so,
+    ["prefill"], and finally a result with primary "decode" and prefill "prefill".
+    """
+
+    kind: ClassVar[str] = "profile-handler"
+
+    def check_profiles(self, names: Sequence[str]) -> str | None:
+        """At build time: why this handler cannot run these profiles, or None when it can."""
+        return None
+
+    @abstractmethod
+    def pick(
+        self,
+        request: SchedulingRequest,
+        state: CycleState,
+        profiles: Sequence[str],
+        results: Mapping[str, ProfileResult],
+    ) -> list[str]:
+        """Profiles to run next (none that already ran); an empty list ends the decision."""
+
+    @abstractmethod
+    def process_results(
+        self, request: SchedulingRequest, state: CycleState, results: Mapping[str, ProfileResult]
+    ) -> SchedulingResult:
+        """The final result; raises NoEndpointError when a profile the request needs chose nothing."""
+
+
+class NoEndpointReason(enum.Enum):
+    """Why nothing can serve a request; the router maps MODEL_NOT_SERVED to 404, the others to 503."""
+
+    NO_ENGINES = "no_engines"  # the pool is empty
+    MODEL_NOT_SERVED = "model_not_served"  # no engine serves the model, nor might (unknown model list)
+    NO_ROUTABLE_ENGINE = "no_routable_engine"  # engines serve it, none is routable right now
+    FILTERED_OUT = "filtered_out"  # a profile's filters left no candidate
+
+
+class NoEndpointError(Exception):
+    def __init__(self, reason: NoEndpointReason, model: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.model = model
+        self.detail = detail

@@ -1,0 +1,146 @@
+"""Named scheduling configs for ``--routing``, written in the same YAML a user would write.
+
+- round-robin: rotate over the routable engines in URL order, ignoring load.
+- session: a session key (header or body ``user``) pins a conversation to one engine by consistent
+  hashing; its weight (4) exceeds the sum of the load weights (3), so the key decides whenever present and
+  load decides otherwise; saturation-filter moves a session off an overloaded engine to its next one on
+  the ring.
+- least-load: queue + KV-cache utilization + router in-flight, equal weights, highest total wins.
+- power-of-two: the least-load scores, but the picker compares only two engines drawn at random, so a
+  burst scored on one stale scrape spreads instead of piling onto the best-looking engine.
+- default: least-load's signals behind a saturation filter, with the scraped signals weighted 2 and
+  in-flight 1: engines queueing more than 5 requests or above 80% KV usage are skipped while others have
+  room; among the rest, queue and KV usage rank, and in-flight breaks the ties that stale scrapes leave
+  (it changes with every request sent). load-aware-scorer is left out: for choosing the maximum it only
+  repeats the queue signal; it earns its place next to an affinity scorer, as an absolute load brake.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+from kvstack.scheduling.config import ConfigError, SchedulerConfig, load_config, parse_config
+
+_ROUND_ROBIN = """\
+plugins:
+- type: round-robin-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: round-robin-picker
+"""
+
+_SESSION = """\
+plugins:
+- type: saturation-filter
+- type: session-affinity-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: session-affinity-scorer
+    weight: 4
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+_LEAST_LOAD = """\
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+_POWER_OF_TWO = """\
+plugins:
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: power-of-two-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: power-of-two-picker
+"""
+
+_DEFAULT = """\
+plugins:
+- type: saturation-filter
+  parameters:
+    queueThreshold: 5
+    kvUsageThreshold: 0.8
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: queue-scorer
+    weight: 2
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 2
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+DEFAULT_PRESET = "default"
+
+PRESETS: Mapping[str, str] = MappingProxyType(
+    {
+        "default": _DEFAULT,
+        "round-robin": _ROUND_ROBIN,
+        "session": _SESSION,
+        "least-load": _LEAST_LOAD,
+        "power-of-two": _POWER_OF_TWO,
+    }
+)
+
+
+def preset_config(name: str) -> SchedulerConfig:
+    text = PRESETS.get(name)
+    if text is None:
+        raise ConfigError(f"<preset {name}>", None, f"no such preset; presets: {', '.join(PRESETS)}")
+    return parse_config(text, f"<preset {name}>")
+
+
+def load_routing(value: str | os.PathLike[str]) -> SchedulerConfig:
+    """The config a ``--routing`` value names: a preset name, or the path of a YAML config file."""
+    if isinstance(value, str) and value in PRESETS:
+        return preset_config(value)
+    if not Path(value).exists():
+        raise ConfigError(
+            os.fspath(value), None, f"neither a preset ({', '.join(PRESETS)}) nor an existing config file"
+        )
+    return load_config(value)
