@@ -184,10 +184,145 @@ def _run_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "router", help="run the OpenAI-compatible router", description="Run the kvstack router."
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    g = p.add_argument_group("engines (discovery)")
+    g.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="URL[#type=..,role=..,model=..]",
+        help="a static engine; repeat for several",
+    )
+    g.add_argument("--engines-file", help="YAML file listing engines, reloaded when it changes")
+    g.add_argument("--k8s-namespace", help="discover engine pods in this namespace")
+    g.add_argument("--k8s-selector", default="", help="label selector of engine pods")
+    g.add_argument("--k8s-port", type=int, default=8000, help="engine port on the pods")
+    g.add_argument("--model", action="append", default=[], help="models /ready requires (default: all seen)")
+    g = p.add_argument_group("routing")
+    g.add_argument(
+        "--routing",
+        default="default",
+        help="preset (default, round-robin, session, least-load, power-of-two) or a YAML config file",
+    )
+    g = p.add_argument_group("timeouts, retries, circuit breaker, admission")
+    g.add_argument("--timeout-connect", type=float, default=5.0)
+    g.add_argument("--timeout-first-byte", type=float, default=120.0)
+    g.add_argument("--timeout-idle", type=float, default=60.0)
+    g.add_argument("--timeout-total", type=float, default=1800.0)
+    g.add_argument("--max-attempts", type=int, default=3, help="engines tried per request before giving up")
+    g.add_argument("--circuit-failures", type=int, default=5, help="consecutive failures that open a circuit")
+    g.add_argument("--circuit-open-seconds", type=float, default=5.0)
+    g.add_argument("--max-in-flight", type=int, default=0, help="proxied requests at once (0 = unlimited)")
+    g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
+    g.add_argument("--queue-timeout", type=float, default=10.0)
+    g.add_argument("--max-body-mb", type=float, default=32.0)
+    g = p.add_argument_group("access")
+    g.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        help="client API key (also KVSTACK_API_KEYS, comma-separated)",
+    )
+    g.add_argument("--admin-key", default=None, help="key for /admin endpoints (also KVSTACK_ADMIN_KEY)")
+    p.add_argument("--log-level", default="info")
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    import os
+
+    from kvstack.engines.discovery import FileDiscovery, parse_engine_spec
+    from kvstack.router.app import RouterConfig
+    from kvstack.router.circuit import CircuitConfig
+    from kvstack.router.proxy import RetryPolicy, Timeouts
+    from kvstack.router.server import RouterOptions, serve_forever
+    from kvstack.scheduling import ConfigError
+    from kvstack.scheduling.presets import load_routing
+
+    try:
+        engines = [parse_engine_spec(spec) for spec in args.engine]
+        load_routing(args.routing)  # fail fast on a bad preset or config file
+    except (ValueError, ConfigError) as exc:
+        print(f"kvstack router: {exc}", file=sys.stderr)
+        return 2
+    discovery = None
+    if args.engines_file:
+        discovery = FileDiscovery(args.engines_file)
+    elif args.k8s_namespace:
+        discovery = _kubernetes_discovery(args)
+    if not engines and discovery is None:
+        print(
+            "kvstack router: give engines with --engine, --engines-file or --k8s-namespace", file=sys.stderr
+        )
+        return 2
+    api_keys = set(args.api_key) | {k for k in os.environ.get("KVSTACK_API_KEYS", "").split(",") if k}
+    opts = RouterOptions(
+        host=args.host,
+        port=args.port,
+        engines=engines,
+        discovery=discovery,
+        routing=args.routing,
+        app=RouterConfig(
+            max_body_bytes=int(args.max_body_mb * 1024 * 1024),
+            api_keys=frozenset(api_keys),
+            admin_key=args.admin_key or os.environ.get("KVSTACK_ADMIN_KEY") or None,
+            timeouts=Timeouts(
+                args.timeout_connect, args.timeout_first_byte, args.timeout_idle, args.timeout_total
+            ),
+        ),
+        retry=RetryPolicy(max_attempts=args.max_attempts),
+        circuit=CircuitConfig(
+            failure_threshold=args.circuit_failures, open_seconds=args.circuit_open_seconds
+        ),
+        max_in_flight=args.max_in_flight,
+        max_queue=args.max_queue,
+        queue_timeout=args.queue_timeout,
+        expected_models=frozenset(args.model),
+    )
+    return _serve(serve_forever(opts))
+
+
+def _kubernetes_discovery(args: argparse.Namespace) -> Any:
+    from kubernetes_asyncio import client, config
+
+    from kvstack.engines.discovery import KubernetesDiscovery
+
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        import asyncio as _asyncio
+
+        _asyncio.run(config.load_kube_config())
+    return KubernetesDiscovery(
+        args.k8s_namespace, args.k8s_selector, args.k8s_port, api_client=client.ApiClient()
+    )
+
+
+def _serve(main: Any) -> int:
+    """Run a server coroutine under uvloop until SIGINT/SIGTERM."""
+    import uvloop
+
+    async def wrapper() -> None:
+        task = asyncio.ensure_future(main)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    uvloop.run(wrapper())
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstack", description="KV-cache-aware serving stack around vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim_parser(sub)
+    _add_router_parser(sub)
     model = sub.add_parser("model", help="model directories for tests and benchmarks")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("make-tiny", help="write a dummy-weight model directory (no network)")
@@ -207,6 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "model":
         return _run_model(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
+    if args.command == "router":
+        return _run_router(args)
     return _run_sim(args)
 
 

@@ -179,8 +179,12 @@ class RouterApp:
 
     # -- engine bookkeeping --------------------------------------------------------------------------
     def add_engine(self, endpoint: Endpoint) -> None:
-        self.registry.upsert(endpoint)
-        self.metrics.set_circuit(endpoint.url, self.registry.get(endpoint.url).breaker.state)  # type: ignore[union-attr]
+        """Add or update an engine; models it does not name are learned from its /v1/models."""
+        existing = self.registry.get(endpoint.url)
+        if existing is not None and not endpoint.models and existing.state.endpoint.models:
+            endpoint = _replace_models(endpoint, existing.state.endpoint.models)
+        entry = self.registry.upsert(endpoint)
+        self.metrics.set_circuit(endpoint.url, entry.breaker.state)
         if endpoint.url not in self._model_tasks:
             self._model_tasks[endpoint.url] = asyncio.get_running_loop().create_task(
                 self._refresh_models(endpoint.url)

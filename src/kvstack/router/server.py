@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from aiohttp import web
 
+from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
 from kvstack.engines.state import Endpoint
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
@@ -33,6 +34,7 @@ class RouterOptions:
     host: str = "127.0.0.1"
     port: int = 8080
     engines: list[Endpoint] = field(default_factory=list)
+    discovery: Discovery | None = None
     routing: str = "default"  # a preset name or a YAML file
     app: RouterConfig = field(default_factory=RouterConfig)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
@@ -52,8 +54,11 @@ class RunningRouter:
     app: RouterApp
     runner: web.AppRunner
     session: aiohttp.ClientSession
+    discovery: Discovery | None = None
 
     async def stop(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.stop()
         await self.runner.cleanup()
         await self.session.close()
 
@@ -93,8 +98,17 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         raise
     for endpoint in opts.engines:
         router.add_engine(endpoint)
+    if opts.discovery is not None:
+
+        def on_update(update: DiscoveryUpdate) -> None:
+            if update.kind is UpdateKind.REMOVED:
+                router.remove_engine(update.endpoint.url)
+            else:
+                router.add_engine(update.endpoint)
+
+        opts.discovery.start(on_update)
     port = sock.getsockname()[1]
-    return RunningRouter(f"http://{opts.host}:{port}", router, runner, session)
+    return RunningRouter(f"http://{opts.host}:{port}", router, runner, session, opts.discovery)
 
 
 def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -113,7 +113,6 @@ class SimEngine:
         self.metrics.kv_usage.set(0.0)
         self.events = events
         self._streams: dict[int, RequestStream] = {}
-        self._ids = itertools.count()
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # Modelled time: advances by each step's duration, so histograms are exact under any time scale.
@@ -157,7 +156,8 @@ class SimEngine:
         self.metrics.observe_finished(req)
 
     def next_request_id(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids):x}"
+        # Random like vLLM's, so ids from different engines never collide in a router's logs.
+        return f"{prefix}-{uuid.uuid4().hex[:16]}"
 
     @property
     def num_running(self) -> int:
