@@ -36,10 +36,10 @@ $(VLLM)/.installed:
 
 vllm: $(VLLM)/.installed
 
+# A local stack: 2 simulated engines (the tiny model's tokenizer) behind the router on :8080.
 run: dev
 	$(DEV)/bin/kvstack model make-tiny $(TINY_MODEL) --quiet
-	$(DEV)/bin/kvstack sim --engines 2 --port 8100 --tokenizer $(TINY_MODEL) --served-model-name kvstack-tiny \
-	  --block-size 16 --enable-prompt-tokens-details
+	$(DEV)/bin/kvstack up --engines 2 --port 8080 --model $(TINY_MODEL) --served-model-name kvstack-tiny
 
 lint: dev
 	$(DEV)/bin/ruff check src tests benchmarks

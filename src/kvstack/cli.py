@@ -318,11 +318,70 @@ def _serve(main: Any) -> int:
     return 0
 
 
+def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("up", help="a local stack: simulated engines with the router in front")
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--port", type=int, default=8080, help="router port; engines use port+1 .. port+N")
+    p.add_argument(
+        "--model", default=None, help="model directory for the engines' tokenizer (default built-in)"
+    )
+    p.add_argument("--served-model-name", default="kvstack-sim")
+    p.add_argument("--routing", default="default")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--log-level", default="warning")
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from kvstack.engines.state import Endpoint
+    from kvstack.engines.tokenizer import load_tokenizer
+    from kvstack.router.server import RouterOptions, running_router
+    from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
+    from kvstack.sim.engine import EngineConfig
+    from kvstack.sim.textgen import OutputSampler
+
+    tokenizer = load_tokenizer(args.model)
+    name = args.served_model_name
+    sim = SimOptions(
+        engine=EngineConfig(model_name=name, time_scale=args.time_scale),
+        served_model_names=[name],
+        model_root=args.model or name,
+        port=args.port + 1,
+        engines=args.engines,
+        enable_prompt_tokens_details=True,
+    )
+
+    async def main() -> None:
+        sampler = OutputSampler(tokenizer)
+        engines = [await start_engine(sim, tokenizer, sampler, i) for i in range(args.engines)]
+        try:
+            opts = RouterOptions(
+                port=args.port, engines=[Endpoint(e.url) for e in engines], routing=args.routing
+            )
+            async with running_router(opts) as router:
+                print(f"kvstack: {len(engines)} simulated engine(s) serving {name!r} behind the router")
+                for e in engines:
+                    print(f"  engine {e.index}: {e.url}  (kv events {e.events_endpoint})")
+                print(f"  router:   {router.url}  (/engines, /metrics, /ready)")
+                print(f"OpenAI base URL: {router.url}/v1   model: {name}")
+                print(
+                    f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                    f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'',
+                    flush=True,
+                )
+                await asyncio.Event().wait()
+        finally:
+            for e in engines:
+                await stop_engine(e)
+
+    return _serve(main())
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvstack", description="KV-cache-aware serving stack around vLLM.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_sim_parser(sub)
     _add_router_parser(sub)
+    _add_up_parser(sub)
     model = sub.add_parser("model", help="model directories for tests and benchmarks")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("make-tiny", help="write a dummy-weight model directory (no network)")
@@ -344,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     if args.command == "router":
         return _run_router(args)
+    if args.command == "up":
+        return _run_up(args)
     return _run_sim(args)
 
 
