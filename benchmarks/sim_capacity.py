@@ -11,10 +11,10 @@ Starts ``kvstack sim`` on free 127.0.0.1 ports (its own process group, stopped b
 
 Per level it reports completed/failed streams, TTFT, the inter-chunk gap (ITL) p50/p99 seen by the client
 against the modelled ITL at that batch size (``step_overhead + decode_base + decode_per_seq * batch``),
-tokens/s, and the CPU% of the simulator (``/proc/<pid>/stat`` utime+stime) and of this client. A level
-*holds* when every stream completes and ITL p50 <= 1.25 x modelled; the largest K that holds is the stream
-capacity of one simulator process. The client shares the machine's cores with the simulator, so its CPU%
-is reported too.
+tokens/s, and the CPU% of the simulator (``/proc/<pid>/stat`` utime+stime), of this client and of the whole
+machine (``/proc/stat``): the client shares the cores with the simulator, and other work skews latencies. A
+level *holds* when every stream completes and ITL p50 <= 1.25 x modelled; the largest K that holds is the
+stream capacity of one simulator process.
 
 Bounded: every request has a timeout, the run stops itself before ``--deadline`` seconds (default 270),
 and all traffic goes to 127.0.0.1. Results: a table on stdout and ``bench-results/sim_capacity.json``.
@@ -116,9 +116,13 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     return ordered[rank]
 
 
-def prompt_ids(stream_index: int) -> list[int]:
-    """A distinct ~64-token prompt per stream (byte ids 3-258), so prefix caching does not shorten prefill."""
-    rng = random.Random(stream_index)
+def prompt_ids(level: str, stream_index: int) -> list[int]:
+    """A 64-token prompt (byte ids 3-258) unique to this level and stream.
+
+    Unique across levels too: the simulator keeps earlier levels' prompts in its prefix cache, and a hit
+    would shorten prefill and TTFT.
+    """
+    rng = random.Random(f"{level}/{stream_index}")
     return [rng.randrange(3, 259) for _ in range(PROMPT_TOKENS)]
 
 
@@ -427,7 +431,9 @@ async def run_level(
     gate = asyncio.Event()
     tasks = [
         asyncio.create_task(
-            run_stream(session, urls[i % len(urls)], model, prompt_ids(i), gate, timeout),
+            run_stream(
+                session, urls[i % len(urls)], model, prompt_ids(f"{scenario}/{total}", i), gate, timeout
+            ),
             name=f"stream-{i}",
         )
         for i in range(total)

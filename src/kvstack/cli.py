@@ -66,6 +66,12 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     g.add_argument("--kv-events-replay", action="store_true", help="serve vLLM's replay protocol")
     g.add_argument("--kv-events-replay-port", type=int, default=0)
     g.add_argument("--kv-events-legacy-encoding", action="store_true", help="older array-encoded events")
+    g.add_argument(
+        "--kv-hold-timeout",
+        type=float,
+        default=30.0,
+        help="P/D prefill side: seconds to hold blocks for a decode side that never pulls",
+    )
     g = p.add_argument_group("fault injection (also at runtime: POST /admin/faults)")
     g.add_argument("--error-rate", type=float, default=0.0)
     g.add_argument("--error-codes", default="500", help="comma-separated subset of 429,500,503")
@@ -136,6 +142,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         replay_port=args.kv_events_replay_port,
         legacy_event_encoding=args.kv_events_legacy_encoding,
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        kv_hold_timeout=args.kv_hold_timeout,
         faults=faults,
     )
 

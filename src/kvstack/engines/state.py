@@ -37,6 +37,7 @@ class Endpoint:
     labels: tuple[tuple[str, str], ...] = ()  # discovery labels (pod labels, static config), sorted
     node: str | None = None  # host/node name, for cache-tier locality
     kv_events_endpoint: str | None = None  # ZMQ endpoint of its KV events, when known
+    engine_version: str | None = None  # selects the metric catalog for that version; None = the newest
 
 
 @dataclass(slots=True)

@@ -100,6 +100,34 @@ class RouterMetrics:
         for metric in (self.in_flight, self.circuit):
             with contextlib.suppress(KeyError):
                 metric.remove(engine)
+        self._drop_series(self.metric_missing, engine)
+        self._drop_series(self.scrape_errors, engine)
+        self._drop_series(self.upstream_errors, engine)
+
+    @staticmethod
+    def _drop_series(metric: Gauge | Counter, engine: str) -> None:
+        # prometheus_client has no "remove by partial labels": find this engine's label sets.
+        for sample_labels in [
+            dict(zip(metric._labelnames, key, strict=True)) for key in list(metric._metrics)
+        ]:
+            if sample_labels.get("engine") == engine:
+                with contextlib.suppress(KeyError):
+                    metric.remove(*sample_labels.values())
+
+    # -- ScrapeObserver (kvstack.engines.scraper) -----------------------------------------------------
+    def on_scrape(self, engine: str, ok: bool, duration: float, error_reason: str | None) -> None:
+        if not ok:
+            self.scrape_errors.labels(engine=engine, reason=error_reason or "unknown").inc()
+
+    def on_missing(self, engine: str, names: frozenset[str]) -> None:
+        for sample_labels in [
+            dict(zip(self.metric_missing._labelnames, k, strict=True))
+            for k in list(self.metric_missing._metrics)
+        ]:
+            if sample_labels["engine"] == engine and sample_labels["metric"] not in names:
+                self.metric_missing.remove(engine, sample_labels["metric"])
+        for name in names:
+            self.metric_missing.labels(engine=engine, metric=name).set(1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -15,6 +15,7 @@ import aiohttp
 from aiohttp import web
 
 from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
+from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
@@ -43,6 +44,8 @@ class RouterOptions:
     max_queue: int = 1024
     queue_timeout: float = 10.0
     expected_models: frozenset[str] = frozenset()
+    scrape_interval: float = 1.0
+    scrape_timeout: float = 0.5
     # Share the port between several router processes (SO_REUSEPORT).
     reuse_port: bool = False
     connection_limit: int = 0  # upstream connections in total; 0 = unlimited
@@ -54,13 +57,17 @@ class RunningRouter:
     app: RouterApp
     runner: web.AppRunner
     session: aiohttp.ClientSession
+    scraper: MetricsScraper
+    scrape_session: aiohttp.ClientSession
     discovery: Discovery | None = None
 
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        await self.scraper.stop()
         await self.runner.cleanup()
         await self.session.close()
+        await self.scrape_session.close()
 
 
 async def start_router(opts: RouterOptions) -> RunningRouter:
@@ -107,8 +114,20 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
                 router.add_engine(update.endpoint)
 
         opts.discovery.start(on_update)
+    # Scrapes use their own connections so that thousands of proxied streams cannot starve them.
+    scrape_session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    scraper = MetricsScraper(
+        scrape_session,
+        registry.states,
+        interval=opts.scrape_interval,
+        timeout=opts.scrape_timeout,
+        observer=metrics,
+    )
+    scraper.start()
     port = sock.getsockname()[1]
-    return RunningRouter(f"http://{opts.host}:{port}", router, runner, session, opts.discovery)
+    return RunningRouter(
+        f"http://{opts.host}:{port}", router, runner, session, scraper, scrape_session, opts.discovery
+    )
 
 
 def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:

@@ -36,6 +36,7 @@ class SimOptions:
     replay_port: int = 0
     legacy_event_encoding: bool = False
     enable_prompt_tokens_details: bool = False
+    kv_hold_timeout: float = 30.0
     faults: FaultConfig = field(default_factory=FaultConfig)
 
 
@@ -93,10 +94,13 @@ async def start_engine(
         engine_id=f"sim-{i}",
         advertise_host=opts.host,
         faults=opts.faults,
+        kv_hold_timeout=opts.kv_hold_timeout,
         fault_seed=engine_cfg.seed + i,
     )
     server = SimServer(engine, tokenizer, server_cfg)
-    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False)
+    # handler_cancellation: a client that goes away cancels its handler, which aborts the engine request
+    # (as vLLM aborts on disconnect) and lets hung-fault handlers end.
+    runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, _offset(opts.port, i), backlog=2048, reuse_address=True)
     await site.start()

@@ -24,6 +24,9 @@ from kvstack.sim.textgen import OutputSampler
 
 log = logging.getLogger(__name__)
 
+# When the process falls this far behind the modelled schedule (CPU saturated), stop trying to catch up.
+MAX_LAG_S = 0.1
+
 
 class EventSink(Protocol):
     """Where a step's KV events go: the ZMQ publisher, one batch per step."""
@@ -39,11 +42,12 @@ class TokenEvent:
 
     token_id: int
     finish_reason: str | None
+    stream: RequestStream
 
 
 @dataclass(eq=False)
 class RequestStream:
-    """Handler-side view of one sequence in the engine."""
+    """Handler-side view of one sequence in the engine; sequences of one request may share a queue."""
 
     req: SimRequest
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
@@ -136,11 +140,12 @@ class SimEngine:
         return max(self._clock, (time.monotonic() - self._wall0) * self.config.time_scale)
 
     # -- requests --------------------------------------------------------------------------------
-    def submit(self, req: SimRequest) -> RequestStream:
+    def submit(self, req: SimRequest, queue: asyncio.Queue[TokenEvent] | None = None) -> RequestStream:
+        """Queue a sequence; its tokens arrive on ``queue`` (a new one unless given)."""
         req.arrival_time = self.now()
         if req.eos_token_id is None:
             req.eos_token_id = self.eos_token_id
-        stream = RequestStream(req)
+        stream = RequestStream(req) if queue is None else RequestStream(req, queue)
         self._streams[id(req)] = stream
         self.scheduler.add(req)
         self._wakeup.set()
@@ -171,6 +176,13 @@ class SimEngine:
     def num_unfinished(self) -> int:
         return len(self.scheduler.running) + len(self.scheduler.waiting)
 
+    def release_held(self, request_id: str) -> bool:
+        """Free the blocks a finished P/D prefill kept for its decode side."""
+        released = self.scheduler.release_held(request_id)
+        if released:
+            self.metrics.kv_usage.set(self.kv.usage())
+        return released
+
     def reset_prefix_cache(self) -> bool:
         """Forget cached blocks; like vLLM, AllBlocksCleared goes out with the next step's batch."""
         return self.kv.reset()
@@ -179,19 +191,23 @@ class SimEngine:
     async def _run(self) -> None:
         sched = self.scheduler
         scale = self.config.time_scale
+        loop = asyncio.get_running_loop()
+        # Steps end at absolute wall deadlines: a relative sleep would add every step's delivery work
+        # (and the event loop's lateness) to the modelled time, so ITL would drift up with batch size.
+        deadline = loop.time()
         while True:
             if not sched.has_work:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 # Idle time passes in the modelled clock too.
                 self._clock = max(self._clock, (time.monotonic() - self._wall0) * scale)
+                deadline = loop.time()
                 continue
-            start_wall = time.monotonic()
             out = sched.step(self._clock)
             self._clock += out.stats.duration
-            # Sleep the remainder of the step; the scheduling work itself counts as step time.
-            delay = out.stats.duration / scale - (time.monotonic() - start_wall)
-            await asyncio.sleep(max(0.0, delay))
+            now = loop.time()
+            deadline = max(deadline + out.stats.duration / scale, now - MAX_LAG_S)
+            await asyncio.sleep(max(0.0, deadline - now))
             self._deliver(out.new_tokens, out.finished)
             self.metrics.observe_step(
                 out.stats, running=self.num_running, waiting=self.num_waiting, kv_usage=self.kv.usage()
@@ -201,6 +217,8 @@ class SimEngine:
     def _deliver(self, new_tokens: list[SimRequest], finished: list[SimRequest]) -> None:
         done = {id(r) for r in finished}
         for req in new_tokens:
+            if req.finish_reason == "abort":
+                continue  # aborted while its step ran: vLLM discards such output
             if len(req.output_token_ids) == 1:
                 self.metrics.observe_first_token(req)
             self.metrics.observe_token(req)
@@ -211,7 +229,7 @@ class SimEngine:
             else:
                 stream = self._streams.get(id(req))
             if stream is not None:
-                stream.queue.put_nowait(TokenEvent(req.output_token_ids[-1], finish))
+                stream.queue.put_nowait(TokenEvent(req.output_token_ids[-1], finish, stream))
 
     def _publish_events(self) -> None:
         if self.events is None:

@@ -13,10 +13,11 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 import msgspec
 from aiohttp import web
 
@@ -38,7 +39,7 @@ from kvstack.openai.protocol import (
 )
 from kvstack.openai.sse import DONE, encode_error_event, encode_event
 from kvstack.sim import responses as R
-from kvstack.sim.engine import RequestStream, SimEngine
+from kvstack.sim.engine import RequestStream, SimEngine, TokenEvent
 from kvstack.sim.faults import FaultConfig, FaultDraw, draw, injected_error
 from kvstack.sim.scheduler import SimRequest
 
@@ -97,6 +98,7 @@ class SimServer:
         self._rng = random.Random(config.fault_seed)
         self._created = int(time.time())
         self._hold_timers: dict[str, asyncio.TimerHandle] = {}
+        self._background: set[asyncio.Task[None]] = set()
         self.limits = ServingLimits(tuple(config.served_model_names), config.max_model_len)
 
     # -- app ------------------------------------------------------------------------------------
@@ -114,6 +116,7 @@ class SimServer:
         r.add_post("/tokenize", self.tokenize)
         r.add_post("/detokenize", self.detokenize)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_post("/kv_transfer/release", self.kv_release)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
         r.add_delete("/admin/faults", self.clear_faults)
@@ -127,6 +130,8 @@ class SimServer:
     async def _on_cleanup(self, app: web.Application) -> None:
         for timer in self._hold_timers.values():
             timer.cancel()
+        for task in self._background:
+            task.cancel()
         await self.engine.stop()
 
     @web.middleware
@@ -323,6 +328,7 @@ class SimServer:
         opts: SamplingOptions,
         kvp: dict[str, Any] | None,
         i: int,
+        queue: asyncio.Queue[TokenEvent],
     ) -> RequestStream:
         sampler = self.engine.sampler
         seed = None if opts.seed is None else opts.seed + i
@@ -342,7 +348,13 @@ class SimServer:
             remote_prefill=remote_prefill,
             hold_blocks_on_finish=remote_decode,
         )
-        return self.engine.submit(sim_req)
+        stream = self.engine.submit(sim_req, queue)
+        if remote_prefill and kvp is not None and i == 0:
+            # The "transfer" is instant here; tell the prefill side it may free its blocks.
+            task = asyncio.get_running_loop().create_task(self._notify_prefill_side(kvp))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return stream
 
     async def _generate(
         self,
@@ -380,20 +392,25 @@ class SimServer:
 
         request_id = self.engine.next_request_id("chatcmpl" if chat else "cmpl")
         seqs: list[_Seq] = []
+        # One queue for all choices of this request: tokens arrive in engine order without relay tasks.
+        queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
         for p_idx, (ids, max_tokens) in enumerate(prompts):
             self.engine.metrics.observe_new_request(n=n, max_tokens=max_tokens)
             for i in range(n):
-                stream = self._submit(request_id, ids, max_tokens, req.options, req.kv_transfer_params, i)
+                stream = self._submit(
+                    request_id, ids, max_tokens, req.options, req.kv_transfer_params, i, queue
+                )
                 seqs.append(_Seq(p_idx * n + i, p_idx, stream, len(ids)))
         try:
             if fault.first_token_delay:
                 await asyncio.sleep(fault.first_token_delay)
             if req.stream:
-                return await self._stream(request, req, request_id, model, seqs, fault, chat=chat)
-            return await self._collect(req, request_id, model, seqs, prompts, chat=chat)
+                return await self._stream(request, req, request_id, model, seqs, queue, fault, chat=chat)
+            return await self._collect(req, request_id, model, seqs, queue, chat=chat)
         finally:
             for seq in seqs:
                 self.engine.abort(seq.stream)
+                self._arm_hold_timer(seq.stream.req.request_id)
 
     def _accept_token(self, seq: _Seq, token_id: int, finish: str | None, stop: list[str]) -> str:
         """Append one token to ``seq``; returns the text delta (cut at a stop string)."""
@@ -422,17 +439,12 @@ class SimServer:
         request_id: str,
         model: str,
         seqs: list[_Seq],
-        prompts: list[tuple[list[int], int]],
+        queue: asyncio.Queue[TokenEvent],
         *,
         chat: bool,
     ) -> web.Response:
-        async def run(seq: _Seq) -> None:
-            async for ev in seq.stream.tokens():
-                self._accept_token(seq, ev.token_id, ev.finish_reason, req.options.stop)
-                if seq.finish_reason is not None:
-                    return
-
-        await asyncio.gather(*(run(s) for s in seqs))
+        async for seq, ev in self._events(seqs, queue):
+            self._accept_token(seq, ev.token_id, ev.finish_reason, req.options.stop)
         k = req.options.logprobs
         choices = []
         for seq in seqs:
@@ -464,6 +476,7 @@ class SimServer:
         request_id: str,
         model: str,
         seqs: list[_Seq],
+        queue: asyncio.Queue[TokenEvent],
         fault: FaultDraw,
         *,
         chat: bool,
@@ -490,70 +503,67 @@ class SimServer:
             for seq in seqs:
                 await send(R.chat_role_chunk(request_id, model, created, seq.index))
 
-        merged: asyncio.Queue[tuple[_Seq, int, str | None]] = asyncio.Queue()
-
-        async def pump(seq: _Seq) -> None:
-            async for ev in seq.stream.tokens():
-                merged.put_nowait((seq, ev.token_id, ev.finish_reason))
-
-        pumps = [asyncio.create_task(pump(s)) for s in seqs]
-        try:
-            remaining = len(seqs)
-            while remaining:
-                seq, token_id, finish = await merged.get()
-                if seq.finish_reason is not None:
-                    continue  # already stopped by a stop string
-                position = len(seq.tokens)
-                delta = self._accept_token(seq, token_id, finish, req.options.stop)
-                lp = None
-                if k is not None:
-                    text_of, vocab = self.tokenizer.token_str, self.tokenizer.vocab_size
-                    pair = [(token_id, delta)]
-                    lp = (
-                        R.chat_logprobs(pair, k, vocab, text_of, position)
-                        if chat
-                        else R.completion_logprobs(pair, k, vocab, text_of, len(seq.text) - len(delta))
-                    )
-                if chat:
-                    chunk = R.chat_chunk(
-                        request_id,
-                        model,
-                        created,
-                        seq.index,
-                        delta,
-                        seq.finish_reason,
-                        logprobs=lp,
-                        stop_reason=seq.stop_reason,
-                    )
-                else:
-                    chunk = R.completion_chunk(
-                        request_id,
-                        model,
-                        created,
-                        seq.index,
-                        delta,
-                        seq.finish_reason,
-                        logprobs=lp,
-                        stop_reason=seq.stop_reason,
-                    )
-                if continuous:
-                    chunk["usage"] = self._usage([seq], chat=chat, full=False)
-                await send(chunk)
-                if seq.finish_reason is not None:
-                    remaining -= 1
-                    self.engine.abort(seq.stream)
-            if include_usage:
-                await send(
-                    R.usage_chunk(
-                        request_id, model, created, self._usage(seqs, chat=chat, full=False), chat=chat
-                    )
+        async for seq, ev in self._events(seqs, queue):
+            token_id, finish = ev.token_id, ev.finish_reason
+            position = len(seq.tokens)
+            delta = self._accept_token(seq, token_id, finish, req.options.stop)
+            lp = None
+            if k is not None:
+                text_of, vocab = self.tokenizer.token_str, self.tokenizer.vocab_size
+                pair = [(token_id, delta)]
+                lp = (
+                    R.chat_logprobs(pair, k, vocab, text_of, position)
+                    if chat
+                    else R.completion_logprobs(pair, k, vocab, text_of, len(seq.text) - len(delta))
                 )
-            await resp.write(DONE)
-            await resp.write_eof()
-        finally:
-            for task in pumps:
-                task.cancel()
+            if chat:
+                chunk = R.chat_chunk(
+                    request_id,
+                    model,
+                    created,
+                    seq.index,
+                    delta,
+                    seq.finish_reason,
+                    logprobs=lp,
+                    stop_reason=seq.stop_reason,
+                )
+            else:
+                chunk = R.completion_chunk(
+                    request_id,
+                    model,
+                    created,
+                    seq.index,
+                    delta,
+                    seq.finish_reason,
+                    logprobs=lp,
+                    stop_reason=seq.stop_reason,
+                )
+            if continuous:
+                chunk["usage"] = self._usage([seq], chat=chat, full=False)
+            await send(chunk)
+        if include_usage:
+            await send(
+                R.usage_chunk(request_id, model, created, self._usage(seqs, chat=chat, full=False), chat=chat)
+            )
+        await resp.write(DONE)
+        await resp.write_eof()
         return resp
+
+    async def _events(
+        self, seqs: list[_Seq], queue: asyncio.Queue[TokenEvent]
+    ) -> AsyncIterator[tuple[_Seq, TokenEvent]]:
+        """Token events of ``seqs`` in arrival order, until each has finished (or met a stop string)."""
+        by_stream = {id(s.stream): s for s in seqs}
+        remaining = len(seqs)
+        while remaining:
+            ev = await queue.get()
+            seq = by_stream[id(ev.stream)]
+            if seq.finish_reason is not None:
+                continue  # already stopped by a stop string
+            yield seq, ev
+            if seq.finish_reason is not None:
+                remaining -= 1
+                self.engine.abort(seq.stream)  # a stop string ends it early; a no-op when it finished
 
     def _usage(self, seqs: list[_Seq], *, chat: bool, full: bool) -> dict[str, Any]:
         # Prompt tokens count once per prompt, however many choices it has (as in vLLM).
@@ -578,10 +588,6 @@ class SimServer:
         seq = seqs[0]
         sim_req = seq.stream.req
         held = self.engine.scheduler.held_blocks(sim_req.request_id)
-        timeout = self.config.kv_hold_timeout
-        if held:
-            rid = sim_req.request_id
-            self._hold_timers[rid] = asyncio.get_running_loop().call_later(timeout, self._release_held, rid)
         return {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -593,9 +599,45 @@ class SimServer:
             "tp_size": 1,
         }
 
-    def _release_held(self, request_id: str) -> None:
-        self._hold_timers.pop(request_id, None)
-        self.engine.scheduler.release_held(request_id)
+    def _arm_hold_timer(self, request_id: str) -> None:
+        """Free a finished P/D prefill's blocks after the hold timeout unless the decode side pulls first."""
+        if request_id in self._hold_timers or not self.engine.scheduler.held_blocks(request_id):
+            return
+        loop = asyncio.get_running_loop()
+        self._hold_timers[request_id] = loop.call_later(
+            self.config.kv_hold_timeout, self._release_held, request_id
+        )
+
+    def _release_held(self, request_id: str) -> bool:
+        timer = self._hold_timers.pop(request_id, None)
+        if timer is not None:
+            timer.cancel()
+        return self.engine.release_held(request_id)
+
+    async def kv_release(self, request: web.Request) -> web.Response:
+        """The decode side has pulled a prefill's KV: free the blocks now (what NIXL's notification does)."""
+        try:
+            body = msgspec.json.decode(await request.read())
+            request_id = body["remote_request_id"]
+        except (msgspec.DecodeError, KeyError, TypeError):
+            raise errors.bad_request('body must be {"remote_request_id": ...}', "remote_request_id") from None
+        return json_response({"released": self._release_held(str(request_id))})
+
+    async def _notify_prefill_side(self, kvp: dict[str, Any]) -> None:
+        host, port, rid = kvp.get("remote_host"), kvp.get("remote_port"), kvp.get("remote_request_id")
+        if not (host and port and rid):
+            return
+        url = f"http://{host}:{port}/kv_transfer/release"
+        try:
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(
+                    url, json={"remote_request_id": rid}, timeout=aiohttp.ClientTimeout(total=5)
+                ) as resp,
+            ):
+                await resp.read()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            log.info("could not tell prefill engine %s:%s to release %s: %r", host, port, rid, exc)
 
     def _created_now(self) -> int:
         return int(time.time())

@@ -1,0 +1,315 @@
+"""Scrape every engine's /metrics on a timer; keep ``EngineState.metrics``, ``metrics_stale`` and ``healthy``.
+
+Each round (every ``interval``, default 1 s) asks ``states()`` for the current engines, so engines added or
+removed at runtime are picked up within a round, and starts one scrape per engine after a random delay in
+``[0, jitter]`` (default 0.2 * interval) so that engines are not scraped in lockstep. A scrape is bounded by
+``timeout`` (default 0.5 s) from connect to the last byte, and by ``max_bytes``. An engine whose previous
+scrape is still running is skipped for the round: at most one scrape per engine is in flight, and a slow
+engine delays nobody else. All requests go through the one ``aiohttp.ClientSession`` given; give the scraper
+a session whose connection limit the proxy's traffic cannot exhaust, or scrapes queue behind requests.
+
+What a scrape changes:
+
+- success: ``metrics`` = a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
+- failure: the last reading is kept but goes stale once older than ``stale_after`` (default 3 * interval);
+  stale signals read as unknown (scorers treat them as saturated), never as idle. After ``unhealthy_after``
+  consecutive failures to reach the engine (default 5; connect error, timeout, HTTP error status)
+  ``healthy`` = False. An unreadable body (``parse``, ``too_large``) or an unknown engine type counts as
+  reaching the engine: it stays healthy, only its load is unknown.
+
+Failure reasons (``ScrapeObserver.on_scrape``): ``timeout``, ``connect``, ``http_<status>``, ``too_large``,
+``parse``, ``unknown_engine_type``, ``client_error``.
+
+An expected metric name the engine does not export is logged once per engine and name, with what was found
+instead (a legacy alias, or nothing), and reported through ``ScrapeObserver.on_missing``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+
+from kvstack.engines.catalog import MetricCatalog, catalog_for
+from kvstack.engines.metrics_reader import CatalogReading, MetricsParseError, read_signals
+from kvstack.engines.state import EngineState, MetricsReading
+
+__all__ = ["MetricsScraper", "ScrapeObserver"]
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BYTES = 16 * 1024 * 1024  # vLLM's dump is tens of KB; this only stops a runaway body
+
+
+class ScrapeObserver(Protocol):
+    """Told about every scrape, so the router can export scrape errors and missing names."""
+
+    def on_scrape(self, engine: str, ok: bool, duration: float, error_reason: str | None) -> None:
+        """After each scrape attempt; ``error_reason`` is None when ``ok``."""
+
+    def on_missing(self, engine: str, names: frozenset[str]) -> None:
+        """The full set of expected names ``engine`` lacks, whenever it changes (initially empty).
+
+        Called with the empty set when the engine leaves, so its series can be dropped."""
+
+
+class _ScrapeFailed(Exception):
+    def __init__(self, reason: str, detail: str, *, reached: bool) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.reached = reached  # the engine answered: a failure of its metrics, not of its health
+
+
+@dataclass
+class _Track:
+    """Per-engine bookkeeping, dropped when the engine leaves."""
+
+    failures: int = 0  # consecutive scrapes that did not reach the engine
+    failing: bool = False  # the last scrape failed (any reason); for one log line per outage
+    missing: frozenset[str] = frozenset()
+    warned: set[tuple[str, str | None]] = field(default_factory=set)  # (name, alias read instead)
+
+
+class MetricsScraper:
+    """Keeps the load signals of the engines ``states()`` returns fresh; see the module docstring."""
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        states: Callable[[], Iterable[EngineState]],
+        *,
+        interval: float = 1.0,
+        timeout: float = 0.5,
+        jitter: float | None = None,
+        stale_after: float | None = None,
+        unhealthy_after: int = 5,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        observer: ScrapeObserver | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if interval <= 0 or timeout <= 0 or unhealthy_after < 1 or max_bytes < 1:
+            raise ValueError("interval, timeout, unhealthy_after and max_bytes must be positive")
+        self._session = session
+        self._states = states
+        self.interval = interval
+        self.timeout = timeout
+        self.jitter = 0.2 * interval if jitter is None else max(0.0, jitter)
+        self.stale_after = 3 * interval if stale_after is None else stale_after
+        self.unhealthy_after = unhealthy_after
+        self.max_bytes = max_bytes
+        self._observer = observer
+        self._rng = rng or random.Random()
+        self._tracks: dict[str, _Track] = {}
+        self._inflight: dict[str, asyncio.Task[None]] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start scraping in the background (inside a running event loop)."""
+        if self._task is not None:
+            raise RuntimeError("MetricsScraper already started")
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="metrics-scraper")
+
+    async def stop(self) -> None:
+        """Stop the timer and every scrape in flight, and wait for them."""
+        tasks = [t for t in (self._task, *self._inflight.values()) if t is not None]
+        self._task = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._inflight.clear()
+
+    async def scrape_once(self) -> None:
+        """One round now, without jitter, waiting for every scrape (joins one already in flight)."""
+        current = self._reconcile()
+        for url, state in current.items():
+            if url not in self._inflight:
+                self._launch(state, delay=0.0)
+        if self._inflight:
+            await asyncio.wait(list(self._inflight.values()))
+        self._refresh_staleness(current.values())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_round = loop.time()
+        while True:
+            try:
+                current = self._reconcile()
+                for url, state in current.items():
+                    if url in self._inflight:
+                        logger.debug("engine %s: previous scrape still running; skipping a round", url)
+                        continue
+                    self._launch(state, delay=self._rng.uniform(0.0, self.jitter))
+                self._refresh_staleness(current.values())
+            except Exception:
+                # A bug in one round (or in states()) must not stop load signals for good.
+                logger.exception("metrics scrape round failed")
+            next_round += self.interval
+            # After a long stall (suspended process), start afresh instead of firing rounds back to back.
+            next_round = max(next_round, loop.time())
+            await asyncio.sleep(next_round - loop.time())
+
+    def _reconcile(self) -> dict[str, EngineState]:
+        """The current engines by URL; forget the ones that left."""
+        current = {s.url: s for s in self._states()}
+        for url in [u for u in self._tracks if u not in current]:
+            track = self._tracks.pop(url)
+            if (task := self._inflight.pop(url, None)) is not None:
+                task.cancel()
+            if track.missing:
+                self._notify_missing(url, frozenset())
+        for url in current:
+            self._tracks.setdefault(url, _Track())
+        return current
+
+    def _launch(self, state: EngineState, delay: float) -> None:
+        url = state.url
+        task = asyncio.get_running_loop().create_task(self._scrape(state, delay), name=f"scrape {url}")
+        self._inflight[url] = task
+
+        def done(t: asyncio.Task[None]) -> None:
+            if self._inflight.get(url) is t:
+                del self._inflight[url]
+
+        task.add_done_callback(done)
+
+    def _refresh_staleness(self, states: Iterable[EngineState]) -> None:
+        now = time.monotonic()
+        for state in states:
+            state.metrics_stale = state.metrics is None or state.metrics.age(now) > self.stale_after
+
+    async def _scrape(self, state: EngineState, delay: float) -> None:
+        if delay > 0:
+            await asyncio.sleep(delay)
+        url = state.url
+        started = time.monotonic()
+        try:
+            text = await self._fetch(url)
+            catalog = self._catalog(state)
+            try:
+                reading = read_signals(text, catalog)
+            except MetricsParseError as exc:
+                raise _ScrapeFailed("parse", str(exc), reached=True) from exc
+        except _ScrapeFailed as failed:
+            self._failed(state, failed, time.monotonic() - started)
+        except Exception as exc:  # an unforeseen error must cost one scrape, not the engine's signals
+            logger.exception("engine %s: metrics scrape failed unexpectedly", url)
+            unforeseen = _ScrapeFailed("client_error", repr(exc), reached=False)
+            self._failed(state, unforeseen, time.monotonic() - started)
+        else:
+            self._succeeded(state, catalog, reading, started)
+
+    def _catalog(self, state: EngineState) -> MetricCatalog:
+        # Without a known version the newest catalog applies; its aliases cover older names.
+        try:
+            return catalog_for(state.endpoint.engine_type, state.endpoint.engine_version)
+        except ValueError as exc:
+            raise _ScrapeFailed("unknown_engine_type", str(exc), reached=True) from exc
+
+    async def _fetch(self, url: str) -> str:
+        try:
+            async with (
+                asyncio.timeout(self.timeout),
+                self._session.get(
+                    f"{url}/metrics", headers={"Accept": "text/plain"}, allow_redirects=False
+                ) as resp,
+            ):
+                if resp.status != 200:
+                    raise _ScrapeFailed(
+                        f"http_{resp.status}", f"/metrics answered {resp.status}", reached=False
+                    )
+                if (resp.content_length or 0) > self.max_bytes:
+                    raise _ScrapeFailed("too_large", f"body of {resp.content_length} bytes", reached=True)
+                body = bytearray()
+                async for chunk in resp.content.iter_any():
+                    body += chunk
+                    if len(body) > self.max_bytes:
+                        raise _ScrapeFailed("too_large", f"body over {self.max_bytes} bytes", reached=True)
+        except TimeoutError as exc:
+            raise _ScrapeFailed(
+                "timeout", f"no complete answer within {self.timeout:g} s", reached=False
+            ) from exc
+        except aiohttp.ClientConnectionError as exc:
+            raise _ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
+        except aiohttp.ClientError as exc:
+            raise _ScrapeFailed("client_error", str(exc) or type(exc).__name__, reached=False) from exc
+        return body.decode("utf-8", errors="replace")
+
+    def _succeeded(
+        self, state: EngineState, catalog: MetricCatalog, reading: CatalogReading, started: float
+    ) -> None:
+        url = state.url
+        now = time.monotonic()
+        state.metrics = MetricsReading(reading.signals, now, reading.missing, reading.aliases_used)
+        state.metrics_stale = False
+        state.healthy = True
+        track = self._tracks.get(url)
+        if track is None:  # the engine left while it was being scraped
+            return
+        if track.failing:
+            logger.info("engine %s: metrics scrape succeeds again", url)
+        track.failures, track.failing = 0, False
+        for gap in reading.gaps:
+            # Once per name, and again only if what stands in for it changes (a legacy alias vanishes).
+            key = (gap.name, gap.found_instead.name if gap.found_instead else None)
+            if key not in track.warned:
+                track.warned.add(key)
+                logger.warning(gap.message(url, catalog.engine_type))
+        if reading.missing != track.missing:
+            track.missing = reading.missing
+            self._notify_missing(url, reading.missing)
+        self._notify_scrape(url, True, now - started, None)
+
+    def _failed(self, state: EngineState, failed: _ScrapeFailed, duration: float) -> None:
+        url = state.url
+        track = self._tracks.get(url)
+        if track is not None:
+            if not track.failing:
+                # One line per outage; the observer counts every failure.
+                logger.warning(
+                    "engine %s: metrics scrape failed (%s: %s); its load counts as unknown after %g s",
+                    url,
+                    failed.reason,
+                    failed,
+                    self.stale_after,
+                )
+            track.failing = True
+            if failed.reached:
+                track.failures = 0
+                state.healthy = True
+            else:
+                track.failures += 1
+                if track.failures >= self.unhealthy_after and state.healthy:
+                    logger.warning(
+                        "engine %s: %d metrics scrapes in a row failed; marking it unhealthy",
+                        url,
+                        track.failures,
+                    )
+                    state.healthy = False
+        self._refresh_staleness((state,))
+        self._notify_scrape(url, False, duration, failed.reason)
+
+    def _notify_scrape(self, url: str, ok: bool, duration: float, reason: str | None) -> None:
+        if self._observer is not None:
+            with _observer_guard():
+                self._observer.on_scrape(url, ok, duration, reason)
+
+    def _notify_missing(self, url: str, names: frozenset[str]) -> None:
+        if self._observer is not None:
+            with _observer_guard():
+                self._observer.on_missing(url, names)
+
+
+@contextlib.contextmanager
+def _observer_guard() -> Iterator[None]:
+    # A broken metrics exporter must not stop the load signals the router schedules with.
+    try:
+        yield
+    except Exception:
+        logger.exception("scrape observer failed")
