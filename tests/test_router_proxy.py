@@ -62,19 +62,25 @@ async def start_sims(
 
 
 async def wait_models(router: RunningRouter, count: int) -> None:
-    for _ in range(100):
-        if sum(1 for e in router.app.registry if e.state.endpoint.models) >= count:
+    """Until ``count`` engines have known models and fresh metrics (an engine never scraped counts as
+    saturated, so a test starting earlier would see traffic avoid it)."""
+    for _ in range(200):
+        ready = [e for e in router.app.registry if e.state.endpoint.models and not e.state.metrics_stale]
+        if len(ready) >= count:
             return
         await asyncio.sleep(0.05)
-    raise AssertionError("engines' models never became known")
+    raise AssertionError("engines' models or metrics never became known")
 
 
 @pytest.fixture
-async def stack() -> AsyncIterator[Stack]:
+async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
+    """Two sims behind the router; ``@pytest.mark.routing("round-robin")`` picks another preset."""
+    marker = request.node.get_closest_marker("routing")
     engines = await start_sims(2)
     opts = RouterOptions(
         port=free_port(),
         engines=[Endpoint(e.url) for e in engines],
+        routing=marker.args[0] if marker else "default",
         app=RouterConfig(timeouts=Timeouts(connect=1.0, first_byte=10.0, idle=5.0, total=60.0)),
         retry=RetryPolicy(max_attempts=3, backoff_base=0.01),
         circuit=CircuitConfig(failure_threshold=3, open_seconds=60.0),
@@ -200,6 +206,7 @@ async def set_faults(stack: Stack, i: int, **faults: object) -> None:
         assert r.status == 200
 
 
+@pytest.mark.routing("round-robin")  # so that the faulty engine is picked first half the time
 async def test_retries_on_503_go_to_the_other_engine(stack: Stack) -> None:
     await set_faults(stack, 0, error_rate=1.0, error_codes=[503])
     body = {"model": MODEL, "prompt": "retry me", "max_tokens": 2}
@@ -212,6 +219,7 @@ async def test_retries_on_503_go_to_the_other_engine(stack: Stack) -> None:
     assert 'kvstack_router_retries_total{reason="status_503"}' in text
 
 
+@pytest.mark.routing("round-robin")
 async def test_circuit_opens_after_consecutive_failures(stack: Stack) -> None:
     await set_faults(stack, 0, error_rate=1.0, error_codes=[500])
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1}

@@ -57,6 +57,8 @@ def engine(
         draining=draining,
         circuit=circuit,
         in_flight=in_flight,
+        # The scrape already counts these requests (no sends since it).
+        in_flight_at_scrape=in_flight,
     )
 
 
@@ -294,7 +296,7 @@ def test_session_preset_sticks_spills_and_falls_back_to_load() -> None:
     home = scheduler.schedule(request("conv-1"), engines).target.url
     # Load changes do not move a session while its engine has room.
     for e in engines:
-        e.in_flight = 10 if e.url == home else 0
+        e.in_flight = e.in_flight_at_scrape = 10 if e.url == home else 0
         e.metrics.signals.queue = 3 if e.url == home else 0  # type: ignore[union-attr]
     assert {scheduler.schedule(request("conv-1"), engines).target.url for _ in range(20)} == {home}
     # A saturated home engine hands the session to its next engine on the ring, the same every time.
@@ -539,3 +541,16 @@ def test_custom_plugins_register_in_a_registry() -> None:
         build_scheduler(config)  # the default registry is fresh each time: nothing leaked into it
     with pytest.raises(ValueError, match="already registered"):
         registry.register(type("Other", (_Fixed,), {}))
+
+
+def test_queue_estimate_adds_requests_sent_since_the_scrape() -> None:
+    """A burst sees one scrape; counting its own sends keeps it from piling onto one engine."""
+    a, b = engine("a", queue=1, kv=0.1), engine("b", queue=0, kv=0.1)
+    scheduler = build_scheduler(preset_config("default"))
+    picks = []
+    for _ in range(40):
+        target = scheduler.schedule(request(), [a, b]).target
+        target.in_flight += 1  # what the proxy does before its first await
+        picks.append(target.url)
+    assert abs(picks.count("a") - picks.count("b")) <= 2, picks
+    assert a.queue_estimate() == 1 + a.in_flight

@@ -13,9 +13,9 @@ What a scrape changes:
 - success: ``metrics`` = a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
 - failure: the last reading is kept but goes stale once older than ``stale_after`` (default 3 * interval);
   stale signals read as unknown (scorers treat them as saturated), never as idle. After ``unhealthy_after``
-  consecutive failures to reach the engine (default 5; connect error, timeout, HTTP error status)
-  ``healthy`` = False. An unreadable body (``parse``, ``too_large``) or an unknown engine type counts as
-  reaching the engine: it stays healthy, only its load is unknown.
+  consecutive connection failures (default 5: nothing listens there) ``healthy`` = False. Any other failure
+  (timeout, HTTP error status, unreadable body, unknown engine type) leaves health alone: the engine is
+  there, only its load is unknown; a hung engine is caught by the proxy's timeouts and circuit breaker.
 
 Failure reasons (``ScrapeObserver.on_scrape``): ``timeout``, ``connect``, ``http_<status>``, ``too_large``,
 ``parse``, ``unknown_engine_type``, ``client_error``.
@@ -249,6 +249,7 @@ class MetricsScraper:
         state.metrics = MetricsReading(reading.signals, now, reading.missing, reading.aliases_used)
         state.metrics_stale = False
         state.healthy = True
+        state.in_flight_at_scrape = state.in_flight
         track = self._tracks.get(url)
         if track is None:  # the engine left while it was being scraped
             return
@@ -280,9 +281,10 @@ class MetricsScraper:
                     self.stale_after,
                 )
             track.failing = True
-            if failed.reached:
+            if failed.reason != "connect":
+                # The engine is there: a slow or failing /metrics makes its load unknown (stale), not the
+                # engine unroutable. A hung engine is the proxy's business: its timeouts open the circuit.
                 track.failures = 0
-                state.healthy = True
             else:
                 track.failures += 1
                 if track.failures >= self.unhealthy_after and state.healthy:

@@ -77,6 +77,7 @@ class EngineState:
     draining: bool = False  # admin asked to stop sending new requests
     circuit: CircuitState = CircuitState.CLOSED
     in_flight: int = 0  # requests the router has sent and not finished
+    in_flight_at_scrape: int = 0  # ``in_flight`` when the latest good scrape arrived
     recent_requests: list[float] = field(default_factory=list)  # monotonic send times, bounded by the owner
     knowledge: str = "none"  # where routing knowledge comes from: "kv-events", "approximate", "none"
 
@@ -89,6 +90,16 @@ class EngineState:
         if self.metrics is None or self.metrics_stale:
             return None
         return self.metrics.signals
+
+    def queue_estimate(self) -> float | None:
+        """Waiting requests as last scraped plus those the router sent since, which the scrape cannot show.
+
+        Without the correction every request of a burst would see the same scrape and pick the same engine.
+        """
+        signals = self.signals()
+        if signals is None or signals.queue is None:
+            return None
+        return signals.queue + max(0, self.in_flight - self.in_flight_at_scrape)
 
     @property
     def routable(self) -> bool:

@@ -308,6 +308,8 @@ class Proxy:
             raise
         finally:
             state.in_flight -= 1
+            # Requests the last scrape saw have finished: the baseline of "sent since the scrape" drops too.
+            state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.in_flight)
             self.metrics.in_flight.labels(engine=url).set(state.in_flight)
             if upstream is not None:
                 upstream.release()

@@ -41,4 +41,13 @@ class SchedulerPicker:
                 served = sorted({m for s in states for m in s.endpoint.models})
                 raise errors.not_found_model(model, served) from None
             raise errors.service_unavailable(str(exc)) from None
-        return result.primary_profile, [result.target.url, *(e.url for e in result.fallbacks)]
+        ordered = [result.target.url, *(e.url for e in result.fallbacks)]
+        # Retries may go beyond what the profile kept (for example engines a saturation filter set aside):
+        # a busy engine is a better answer than an error.
+        chosen = set(ordered)
+        ordered += [s.url for s in states if s.routable and s.url not in chosen and _serves(s, model)]
+        return result.primary_profile, ordered
+
+
+def _serves(state: EngineState, model: str) -> bool:
+    return not model or not state.endpoint.models or model in state.endpoint.models

@@ -43,9 +43,10 @@ class SaturationFilter(Filter):
 
     def saturated(self, engine: EngineState) -> bool:
         signals = engine.signals()
-        if signals is None or signals.queue is None or signals.kv_usage is None:
+        queue = engine.queue_estimate()
+        if signals is None or queue is None or signals.kv_usage is None:
             return True
-        return signals.queue > self.queue_threshold or signals.kv_usage > self.kv_usage_threshold
+        return queue > self.queue_threshold or signals.kv_usage > self.kv_usage_threshold
 
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: list[EngineState]

@@ -38,8 +38,7 @@ class LoadAwareScorer(Scorer):
     ) -> dict[str, float]:
         out: dict[str, float] = {}
         for engine in candidates:
-            signals = engine.signals()
-            q = None if signals is None else signals.queue
+            q = engine.queue_estimate()
             if q is None:
                 out[engine.url] = 0.0
             elif q <= 0:

@@ -1,14 +1,14 @@
 """queue-scorer: prefer engines with fewer waiting requests.
 
 Formula: score = (max_q - q) / (max_q - min_q) over the candidates, where q is the engine's waiting-request
-count from its latest fresh scrape; 1 for all when every known q is equal; 0 when q is unknown (stale or
+count from its latest fresh scrape plus the requests the router sent it since that scrape
+(``EngineState.queue_estimate``); 1 for all when every known q is equal; 0 when q is unknown (stale or
 not exported), so an engine the router cannot see is ranked with the most loaded.
 
 Parameters: none. Cost: O(candidates).
 When to use: the main load signal; a queue means requests are already waiting for a batch slot. It is
 relative: the least queued candidate scores 1 however long its queue is (pair it with saturation-filter
-or load-aware-scorer for an absolute limit). Scrapes are periodic, so within one scrape interval it
-cannot see what the router just sent; add active-requests-scorer for that.
+or load-aware-scorer for an absolute limit).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from kvstack.scheduling.scorers.relative import lower_is_better
 
 
 def _queue(engine: EngineState) -> float | None:
-    signals = engine.signals()
-    return None if signals is None else signals.queue
+    return engine.queue_estimate()
 
 
 class QueueScorer(Scorer):
