@@ -274,10 +274,9 @@ async def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None
         if running == 0:
             break
     assert running == 0
-    aborted = sum(
-        [await stack.engine_metric(i, "vllm:request_success_total") for i in range(2)]
-    )  # abort is one of the finished reasons
-    assert aborted >= 1
+    # Ended early, not finished: like vLLM, the engine does not count the aborted request as a success.
+    assert sum([await stack.engine_metric(i, "vllm:request_success_total") for i in range(2)]) == 0
+    assert sum([await stack.engine_metric(i, "vllm:generation_tokens_total") for i in range(2)]) < 3000
 
 
 async def test_first_byte_timeout_retries_then_504(stack: Stack) -> None:

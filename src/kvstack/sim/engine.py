@@ -151,14 +151,17 @@ class SimEngine:
         self._wakeup.set()
         return stream
 
-    def abort(self, stream: RequestStream) -> None:
+    def abort(self, stream: RequestStream, *, finish_reason: str | None = None) -> None:
+        """End a sequence early. A client abort (no reason) is not counted as a finished request, as in
+        vLLM; a stop string found by the API layer (``finish_reason="stop"``) is."""
         req = stream.req
         if req.status is Status.FINISHED:
             return
-        self.scheduler.abort(req)
+        self.scheduler.abort(req, finish_reason or "abort")
         req.finish_time = self.now()
         self._streams.pop(id(req), None)
-        self.metrics.observe_finished(req)
+        if finish_reason is not None:
+            self.metrics.observe_finished(req)
 
     def next_request_id(self, prefix: str) -> str:
         # Random like vLLM's, so ids from different engines never collide in a router's logs.
@@ -217,19 +220,17 @@ class SimEngine:
     def _deliver(self, new_tokens: list[SimRequest], finished: list[SimRequest]) -> None:
         done = {id(r) for r in finished}
         for req in new_tokens:
-            if req.finish_reason == "abort":
-                continue  # aborted while its step ran: vLLM discards such output
+            stream = self._streams.get(id(req))
+            if stream is None:
+                continue  # ended (aborted, or stopped by a stop string) while its step ran: output discarded
             if len(req.output_token_ids) == 1:
                 self.metrics.observe_first_token(req)
             self.metrics.observe_token(req)
             finish = req.finish_reason if id(req) in done else None
             if finish is not None:
                 self.metrics.observe_finished(req)
-                stream = self._streams.pop(id(req), None)
-            else:
-                stream = self._streams.get(id(req))
-            if stream is not None:
-                stream.queue.put_nowait(TokenEvent(req.output_token_ids[-1], finish, stream))
+                del self._streams[id(req)]
+            stream.queue.put_nowait(TokenEvent(req.output_token_ids[-1], finish, stream))
 
     def _publish_events(self) -> None:
         if self.events is None:

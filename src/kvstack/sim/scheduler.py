@@ -150,7 +150,7 @@ class Scheduler:
         req.block_hashes = self.kv.block_hashes(req.prompt_token_ids)
         self.waiting.append(req)
 
-    def abort(self, req: SimRequest) -> None:
+    def abort(self, req: SimRequest, finish_reason: str = "abort") -> None:
         """Remove a request wherever it is and release its blocks."""
         if req.status is Status.FINISHED:
             return
@@ -159,7 +159,7 @@ class Scheduler:
         else:
             with contextlib.suppress(ValueError):
                 self.waiting.remove(req)
-        req.finish_reason = "abort"
+        req.finish_reason = finish_reason
         self._release(req)
 
     def held_blocks(self, request_id: str) -> list[Block]:

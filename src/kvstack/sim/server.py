@@ -538,6 +538,9 @@ class SimServer:
                     logprobs=lp,
                     stop_reason=seq.stop_reason,
                 )
+            if seq.finish_reason is not None and not include_usage:
+                # vLLM stamps the fingerprint on the terminal chunk unless a usage chunk comes last.
+                chunk["system_fingerprint"] = R.SYSTEM_FINGERPRINT
             if continuous:
                 chunk["usage"] = self._usage([seq], chat=chat, full=False)
             await send(chunk)
@@ -563,7 +566,8 @@ class SimServer:
             yield seq, ev
             if seq.finish_reason is not None:
                 remaining -= 1
-                self.engine.abort(seq.stream)  # a stop string ends it early; a no-op when it finished
+                # A stop string ends it early (counted as "stop"); a no-op when the engine finished it.
+                self.engine.abort(seq.stream, finish_reason=seq.finish_reason)
 
     def _usage(self, seqs: list[_Seq], *, chat: bool, full: bool) -> dict[str, Any]:
         # Prompt tokens count once per prompt, however many choices it has (as in vLLM).

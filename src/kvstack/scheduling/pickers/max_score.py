@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, Picker, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.pickers.randomized import RandomizedPicker
 
 
 def order_by_score(scored: Sequence[ScoredEngine], rng: random.Random) -> list[EngineState]:
@@ -27,12 +28,8 @@ def order_by_score(scored: Sequence[ScoredEngine], rng: random.Random) -> list[E
     return [s.engine for s in shuffled]
 
 
-class MaxScorePicker(Picker):
+class MaxScorePicker(RandomizedPicker):
     type_name: ClassVar[str] = "max-score-picker"
-
-    def __init__(self, name: str | None = None, *, rng: random.Random | None = None) -> None:
-        super().__init__(name)
-        self.rng = rng or random.Random()
 
     def pick(
         self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]

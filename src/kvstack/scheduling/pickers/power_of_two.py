@@ -15,21 +15,17 @@ engine when the scores are stale. Pair it with load scorers (the power-of-two pr
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, Picker, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, ScoredEngine
 from kvstack.scheduling.pickers.max_score import order_by_score
+from kvstack.scheduling.pickers.randomized import RandomizedPicker
 
 
-class PowerOfTwoPicker(Picker):
+class PowerOfTwoPicker(RandomizedPicker):
     type_name: ClassVar[str] = "power-of-two-picker"
-
-    def __init__(self, name: str | None = None, *, rng: random.Random | None = None) -> None:
-        super().__init__(name)
-        self.rng = rng or random.Random()
 
     def pick(
         self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]

@@ -8,20 +8,16 @@ When to use: identical engines and uniform requests, or as a baseline in benchma
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, Picker, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.pickers.randomized import RandomizedPicker
 
 
-class RandomPicker(Picker):
+class RandomPicker(RandomizedPicker):
     type_name: ClassVar[str] = "random-picker"
-
-    def __init__(self, name: str | None = None, *, rng: random.Random | None = None) -> None:
-        super().__init__(name)
-        self.rng = rng or random.Random()
 
     def pick(
         self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]

@@ -12,20 +12,16 @@ their metrics and caches warm and avoids herding when scores are stale.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, Picker, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, ScoredEngine
+from kvstack.scheduling.pickers.randomized import RandomizedPicker
 
 
-class WeightedRandomPicker(Picker):
+class WeightedRandomPicker(RandomizedPicker):
     type_name: ClassVar[str] = "weighted-random-picker"
-
-    def __init__(self, name: str | None = None, *, rng: random.Random | None = None) -> None:
-        super().__init__(name)
-        self.rng = rng or random.Random()
 
     def pick(
         self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]

@@ -1,0 +1,821 @@
+"""The router end to end: real vLLM behind it, simulated engines as subprocesses that are killed and
+restarted, legacy and stale metrics, 1,000 concurrent streams, Kubernetes discovery, passthrough paths.
+
+The router runs in the test's event loop (``start_router``); engines are either the session's real vLLM,
+``kvstack sim`` subprocesses (stopped by process group) or in-process simulators. Waits are polls with a
+deadline; nothing asserts how fast the machine is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiohttp
+import openai
+import pytest
+from kubernetes_asyncio.client import ApiClient, Configuration
+from prometheus_client.parser import text_string_to_metric_families
+
+import harness
+from fake_k8s import FakeKubeApi, make_pod
+from harness import EngineProcess, start_sim
+from kvstack.engines.discovery import Backoff, KubernetesDiscovery
+from kvstack.engines.state import Endpoint
+from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.openai.sse import SSEParser
+from kvstack.router.app import RouterConfig
+from kvstack.router.circuit import CircuitConfig
+from kvstack.router.proxy import RetryPolicy, Timeouts
+from kvstack.router.registry import EngineEntry
+from kvstack.router.server import RouterOptions, RunningRouter, start_router
+from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
+from kvstack.sim.engine import EngineConfig
+from kvstack.sim.textgen import OutputSampler
+
+MODEL = "tiny"  # served name of the vLLM fixture and of harness.start_sim
+SCRAPE_S = 0.2
+T = TypeVar("T")
+
+
+# -- helpers -------------------------------------------------------------------------------------------------
+def metric(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples called ``name`` whose labels include ``labels`` (0 when there is none)."""
+    return sum(
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    )
+
+
+async def get_text(http: aiohttp.ClientSession, url: str) -> str:
+    async with http.get(url) as r:
+        assert r.status == 200, url
+        return await r.text()
+
+
+async def get_json(http: aiohttp.ClientSession, url: str) -> Any:
+    async with http.get(url) as r:
+        return await r.json()
+
+
+async def engine_view(http: aiohttp.ClientSession, router: RunningRouter, url: str) -> dict[str, Any]:
+    """The router's /engines entry of one engine."""
+    engines = (await get_json(http, f"{router.url}/engines"))["engines"]
+    return next(e for e in engines if e["url"] == url)
+
+
+async def until(probe: Callable[[], Awaitable[T | None]], what: str, within: float = 15.0) -> T:
+    """Poll ``probe`` until it returns something other than None or False; fail after ``within`` s."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while True:
+        value = await probe()
+        if value is not None and value is not False:
+            return value
+        if loop.time() > deadline:
+            raise AssertionError(f"{what}: not reached within {within:g} s")
+        await asyncio.sleep(0.05)
+
+
+class EventReader:
+    """Reads the SSE data payloads of one response."""
+
+    def __init__(self, resp: aiohttp.ClientResponse) -> None:
+        self.resp = resp
+        self.parser = SSEParser()
+        self.events: list[bytes] = []
+
+    async def at_least(self, n: int) -> list[bytes]:
+        while len(self.events) < n:
+            chunk = await self.resp.content.readany()
+            assert chunk, f"stream ended after {len(self.events)} events"
+            self.events += self.parser.feed(chunk)
+        return self.events
+
+    async def to_end(self) -> list[bytes]:
+        async for chunk in self.resp.content.iter_any():
+            self.events += self.parser.feed(chunk)
+        assert not self.parser.has_partial, "stream ended inside an event"
+        self.resp.release()
+        return self.events
+
+
+async def post_status(http: aiohttp.ClientSession, router: RunningRouter, body: dict[str, Any]) -> int:
+    async with http.post(f"{router.url}/v1/completions", json=body) as r:
+        await r.read()
+        return r.status
+
+
+def text_events(events: list[bytes]) -> list[dict[str, Any]]:
+    """The chunks of a completions stream that carry a choice (not [DONE], usage-only or error)."""
+    out = []
+    for raw in events:
+        if raw == b"[DONE]":
+            continue
+        obj = json.loads(raw)
+        if obj.get("choices"):
+            out.append(obj)
+    return out
+
+
+def completion(
+    max_tokens: int, *, stream: bool = False, prompt: str = "hello", **extra: Any
+) -> dict[str, Any]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, **extra}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    return body
+
+
+@asynccontextmanager
+async def routing_to(urls: list[str], **options: Any) -> AsyncIterator[RunningRouter]:
+    """A router in this event loop in front of ``urls``, once it knows every engine's models."""
+    options.setdefault("scrape_interval", SCRAPE_S)
+    options.setdefault("retry", RetryPolicy(max_attempts=3, backoff_base=0.01))
+    router = await start_router(RouterOptions(port=0, engines=[Endpoint(u) for u in urls], **options))
+    try:
+        await until(lambda: _known(router, len(urls)), "engines' models and metrics known", within=10)
+        yield router
+    finally:
+        await router.stop()
+
+
+async def _known(router: RunningRouter, count: int) -> bool:
+    # An engine never scraped counts as saturated: waiting keeps the first decisions of a test plain.
+    known = [e for e in router.app.registry if e.state.endpoint.models and not e.state.metrics_stale]
+    return len(known) >= count
+
+
+def entry(router: RunningRouter, url: str) -> EngineEntry:
+    """The router's registry entry of one engine (its state and circuit breaker)."""
+    found = router.app.registry.get(url)
+    assert found is not None, f"the router does not know {url}"
+    return found
+
+
+def in_flight(router: RunningRouter) -> dict[str, int]:
+    return {e.state.url: e.state.in_flight for e in router.app.registry}
+
+
+# -- simulated engines ---------------------------------------------------------------------------------------
+async def start_sim_processes(workdir: Path, n: int, *args: str) -> list[EngineProcess]:
+    """``n`` ``kvstack sim`` subprocesses (harness.start_sim), started side by side."""
+    extra = ["--no-kv-events", *args]
+    return list(
+        await asyncio.gather(
+            *(
+                asyncio.to_thread(start_sim, workdir / f"sim{i}", replay=False, extra_args=extra)
+                for i in range(n)
+            )
+        )
+    )
+
+
+def start_sim_at(port: int, workdir: Path, *args: str) -> EngineProcess:
+    """A ``kvstack sim`` subprocess on a chosen port: a restarted engine comes back at its old address."""
+    cmd = [
+        sys.executable, "-m", "kvstack.cli", "sim", "--served-model-name", MODEL, "--host", "127.0.0.1",
+        "--port", str(port), "--block-size", "128", "--num-gpu-blocks", "64", "--max-model-len", "2048",
+        "--no-kv-events", "--log-level", "warning", *args,
+    ]  # fmt: skip
+    workdir.mkdir(parents=True, exist_ok=True)
+    log_path = workdir / f"sim-{port}.log"
+    proc = harness._spawn(cmd, dict(os.environ), log_path)
+    url = f"http://127.0.0.1:{port}"
+    engine = EngineProcess("sim", url, MODEL, "", None, proc, log_path, block_size=128)
+    try:
+        harness._wait_healthy(proc, url, log_path, 60.0)
+    except Exception:
+        engine.stop()
+        raise
+    return engine
+
+
+def kill(engine: EngineProcess) -> None:
+    """SIGKILL the engine's process group: no goodbye on its connections."""
+    os.killpg(engine.proc.pid, signal.SIGKILL)
+    engine.proc.wait(timeout=10)
+
+
+@contextmanager
+def stopping(engines: list[EngineProcess]) -> Iterator[list[EngineProcess]]:
+    try:
+        yield engines
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+@asynccontextmanager
+async def inprocess_sims(n: int, *, time_scale: float, **config: Any) -> AsyncIterator[list[RunningEngine]]:
+    """``n`` simulated engines in this event loop (built-in tokenizer, no KV events)."""
+    tokenizer = load_tokenizer(None)
+    sampler = OutputSampler(tokenizer)
+    engines: list[RunningEngine] = []
+    try:
+        for i in range(n):
+            cfg = EngineConfig(model_name=MODEL, time_scale=time_scale, **config)
+            opts = SimOptions(
+                engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=False
+            )
+            engines.append(await start_engine(opts, tokenizer, sampler, i))
+        yield engines
+    finally:
+        for engine in engines:
+            if engine.runner.server is not None:  # not stopped by the test already
+                await stop_engine(engine)
+
+
+def patch_metrics(engine: RunningEngine, transform: Callable[[bytes], bytes]) -> None:
+    """Make a simulator's /metrics answer ``transform(real dump)`` from now on."""
+    metrics = engine.engine.metrics
+    real = type(metrics).render
+    metrics.render = lambda: transform(real(metrics))  # type: ignore[method-assign]
+
+
+def with_queue(waiting: int) -> Callable[[bytes], bytes]:
+    pattern = re.compile(rb"^(vllm:num_requests_waiting\{[^}]*\}) \S+$", re.M)
+    return lambda text: pattern.sub(rb"\g<1> " + str(float(waiting)).encode(), text)
+
+
+# -- real vLLM through the router ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+async def vllm_router(vllm_engine: EngineProcess) -> AsyncIterator[RunningRouter]:
+    async with routing_to([vllm_engine.url]) as router:
+        yield router
+
+
+@pytest.mark.vllm
+async def test_vllm_async_openai_client_through_the_router(vllm_router: RunningRouter) -> None:
+    client = openai.AsyncOpenAI(base_url=f"{vllm_router.url}/v1", api_key="x", max_retries=0)
+    try:
+        # Two full 128-token blocks of a prompt vLLM has never seen: the second request reuses them.
+        prompt = f"{uuid.uuid4().hex} " + "the quick brown fox jumps over the lazy dog " * 40
+        first = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        second = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=4, extra_body={"ignore_eos": True}
+        )
+        cached = []
+        for r in (first, second):
+            assert r.usage is not None and r.usage.prompt_tokens_details is not None
+            assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens > 256
+            cached.append(r.usage.prompt_tokens_details.cached_tokens)
+        assert cached[0] == 0 and cached[1] is not None and cached[1] >= 256
+
+        chunks = [
+            c
+            async for c in await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+        ]  # fmt: skip
+        usage = chunks[-1].usage
+        assert usage is not None and usage.completion_tokens == 6 and usage.prompt_tokens > 0
+        assert chunks[0].model == MODEL
+
+        chat = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        assert chat.usage is not None and chat.usage.completion_tokens == 3
+        assert chat.choices[0].finish_reason == "length"
+
+        pieces = [
+            c
+            async for c in await client.completions.create(
+                model=MODEL, prompt="stream me", max_tokens=5, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )
+        ]  # fmt: skip
+        # vLLM may merge tokens into fewer chunks when it runs behind: count tokens, not chunks.
+        choices = [c.choices[0] for c in pieces if c.choices]
+        assert choices and choices[-1].finish_reason == "length"
+        assert pieces[-1].usage is not None and pieces[-1].usage.completion_tokens == 5
+    finally:
+        await client.close()
+
+
+@pytest.mark.vllm
+async def test_vllm_sync_openai_client_through_the_router(vllm_router: RunningRouter) -> None:
+    def run() -> tuple[int, int, int | None]:
+        with openai.OpenAI(base_url=f"{vllm_router.url}/v1", api_key="x", max_retries=0) as client:
+            chat = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=4,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            stream = client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=5, stream=True,
+                stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            chunks = list(stream)
+            assert chat.usage is not None
+            last = chunks[-1].usage
+            return chat.usage.completion_tokens, len(chunks), last.completion_tokens if last else None
+
+    completion_tokens, n_chunks, streamed_tokens = await asyncio.to_thread(run)
+    assert completion_tokens == 4
+    assert streamed_tokens == 5 and n_chunks >= 3  # role, content (tokens may be merged), usage
+
+
+@pytest.mark.vllm
+async def test_vllm_models_and_engine_metrics_through_the_catalog(
+    vllm_router: RunningRouter, vllm_engine: EngineProcess
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        models = await get_json(http, f"{vllm_router.url}/v1/models")
+        assert [m["id"] for m in models["data"]] == [MODEL]
+
+        async def scraped() -> dict[str, Any] | None:
+            view = await engine_view(http, vllm_router, vllm_engine.url)
+            return view if view["metrics"] is not None else None
+
+        view = await until(scraped, "vLLM's /metrics scraped")
+        m = view["metrics"]
+        assert m["queue"] is not None and m["running"] is not None and m["kv_usage"] is not None
+        assert m["missing"] == [] and m["aliases_used"] == []
+        assert view["type"] == "vllm" and view["circuit"] == "closed" and view["healthy"]
+        router_metrics = await get_text(http, f"{vllm_router.url}/metrics")
+        assert "kvstack_engine_metric_missing{" not in router_metrics
+        assert "vllm:" not in router_metrics
+
+
+# -- a client that goes away aborts the request on real vLLM -------------------------------------------------
+async def vllm_counts(http: aiohttp.ClientSession, url: str) -> tuple[float, float, float]:
+    """(requests running, requests finished for any reason, generation tokens) of a vLLM server."""
+    text = await get_text(http, f"{url}/metrics")
+    return (
+        metric(text, "vllm:num_requests_running"),
+        metric(text, "vllm:request_success_total"),
+        metric(text, "vllm:generation_tokens_total"),
+    )
+
+
+async def assert_aborted(http: aiohttp.ClientSession, url: str, before: tuple[float, float, float]) -> None:
+    """vLLM stopped the request: nothing runs, it never finished, and far fewer tokens came out.
+
+    vLLM 0.32 counts a client abort in no ``request_success_total`` series (``finished_reason="abort"``
+    stays 0), so "it did not finish" is what the counters can show.
+    """
+
+    async def idle() -> tuple[float, float, float] | None:
+        now = await vllm_counts(http, url)
+        return now if now[0] == 0 else None
+
+    _, finished, generated = await until(idle, "vLLM running no request", within=30)
+    assert finished == before[1], "the request ran to its end instead of being aborted"
+    assert generated - before[2] < 1500
+
+
+@pytest.mark.vllm
+async def test_vllm_stream_client_disconnect_aborts_the_request(
+    vllm_router: RunningRouter, vllm_engine: EngineProcess
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        before = await vllm_counts(http, vllm_engine.url)
+        assert before[0] == 0
+        async with http.post(f"{vllm_router.url}/v1/completions", json=completion(1900, stream=True)) as resp:
+            assert resp.status == 200
+            await asyncio.wait_for(EventReader(resp).at_least(3), 30)
+            running, _, _ = await vllm_counts(http, vllm_engine.url)
+            assert running == 1
+            resp.close()  # drops the connection mid-stream
+        await assert_aborted(http, vllm_engine.url, before)
+        await until(lambda: _none_in_flight(vllm_router), "router in-flight back to 0", within=10)
+
+
+@pytest.mark.vllm
+async def test_vllm_non_streaming_client_timeout_aborts_the_request(
+    vllm_router: RunningRouter, vllm_engine: EngineProcess
+) -> None:
+    async with aiohttp.ClientSession() as http:
+        before = await vllm_counts(http, vllm_engine.url)
+        assert before[0] == 0
+        with pytest.raises(TimeoutError):
+            async with http.post(
+                f"{vllm_router.url}/v1/completions",
+                json=completion(1900),
+                timeout=aiohttp.ClientTimeout(total=1.0),
+            ) as resp:
+                await resp.read()
+        await assert_aborted(http, vllm_engine.url, before)
+        await until(lambda: _none_in_flight(vllm_router), "router in-flight back to 0", within=10)
+
+
+async def _none_in_flight(router: RunningRouter) -> bool:
+    return all(n == 0 for n in in_flight(router).values())
+
+
+# -- passthrough paths: the engine's answer, or its 404, unchanged -------------------------------------------
+async def post_both(
+    http: aiohttp.ClientSession, engine_url: str, router_url: str, path: str, body: dict[str, Any]
+) -> list[tuple[int, str, bytes]]:
+    out = []
+    for base in (engine_url, router_url):
+        async with http.post(base + path, json=body) as r:
+            out.append((r.status, r.headers.get("Content-Type", ""), await r.read()))
+    return out
+
+
+@pytest.mark.vllm
+async def test_vllm_passthrough_paths(vllm_router: RunningRouter, vllm_engine: EngineProcess) -> None:
+    async with aiohttp.ClientSession() as http:
+        # A generative model serves no embeddings: vLLM's FastAPI 404 comes back byte for byte.
+        direct, routed = await post_both(
+            http, vllm_engine.url, vllm_router.url, "/v1/embeddings", {"model": MODEL, "input": "hi"}
+        )
+        assert direct == (404, "application/json", b'{"detail":"Not Found"}')
+        assert routed == direct
+        for path, body in [
+            ("/tokenize", {"model": MODEL, "prompt": "hello world"}),
+            ("/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
+        ]:
+            direct, routed = await post_both(http, vllm_engine.url, vllm_router.url, path, body)
+            assert direct[0] == 200 and routed == direct
+        async with http.post(
+            f"{vllm_router.url}/v1/responses", json={"model": MODEL, "input": "hi", "max_output_tokens": 4}
+        ) as r:
+            assert r.status == 200
+            answer = await r.json()
+        assert answer["object"] == "response" and answer["model"] == MODEL
+        assert answer["usage"]["output_tokens"] == 4
+
+
+async def test_sim_passthrough_paths_forward_the_engines_404() -> None:
+    async with (
+        inprocess_sims(1, time_scale=50) as (sim,),
+        routing_to([sim.url]) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        for path, body in [
+            ("/v1/embeddings", {"model": MODEL, "input": "hi"}),
+            ("/v1/responses", {"model": MODEL, "input": "hi"}),
+        ]:
+            direct, routed = await post_both(http, sim.url, router.url, path, body)
+            # The simulator serves neither: aiohttp's plain-text 404, passed on as the engine sent it.
+            assert direct[0] == 404 and direct[2] == b"404: Not Found", direct
+            assert routed == direct
+        direct, routed = await post_both(
+            http, sim.url, router.url, "/tokenize", {"model": MODEL, "prompt": "hello world"}
+        )
+        assert direct[0] == 200 and routed == direct
+        # The router still works and counted the 404s against nobody.
+        assert entry(router, sim.url).breaker.state.value == "closed"
+        async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
+            assert r.status == 200
+
+
+# -- an engine killed mid-run --------------------------------------------------------------------------------
+async def test_engine_killed_mid_run(tmp_path: Path) -> None:
+    # At 1.5x a 400-token stream lasts a few seconds: long enough to be cut in the middle.
+    with stopping(await start_sim_processes(tmp_path, 2, "--time-scale", "1.5")) as (a, b):
+        timeouts = Timeouts(connect=2.0, first_byte=20.0, idle=60.0, total=120.0)
+        async with (
+            routing_to([a.url, b.url], routing="round-robin", app=RouterConfig(timeouts=timeouts)) as router,
+            aiohttp.ClientSession() as http,
+        ):
+            streams: list[tuple[str, asyncio.Task[list[bytes]]]] = []
+            for _ in range(6):
+                before = in_flight(router)
+                resp = await http.post(f"{router.url}/v1/completions", json=completion(400, stream=True))
+                assert resp.status == 200
+                after = in_flight(router)
+                (engine,) = [url for url in after if after[url] == before.get(url, 0) + 1]
+                reader = EventReader(resp)
+                await reader.at_least(1)  # the stream is under way
+                streams.append((engine, asyncio.create_task(reader.to_end())))
+            assert {engine for engine, _ in streams} == {a.url, b.url}
+
+            kill(a)
+            # Requests that start now: those sent to the dead engine are retried on the other one.
+            fresh = [
+                asyncio.create_task(post_status(http, router, completion(8, prompt=f"after {i}")))
+                for i in range(10)
+            ]
+            # Bounded well below the idle timeout (60 s): the cut streams must end on their own.
+            results = await asyncio.wait_for(asyncio.gather(*(task for _, task in streams)), 30)
+            assert await asyncio.wait_for(asyncio.gather(*fresh), 30) == [200] * 10
+
+            for (engine, _), events in zip(streams, results, strict=True):
+                if engine == a.url:
+                    last = json.loads(events[-1])
+                    assert last["error"]["code"] == 502 and a.url in last["error"]["message"]
+                    assert b"[DONE]" not in events and len(text_events(events)) < 400
+                else:
+                    assert events[-1] == b"[DONE]"
+                    assert len(text_events(events)) == 400
+                    assert json.loads(events[-2])["usage"]["completion_tokens"] == 400
+            metrics = await get_text(http, f"{router.url}/metrics")
+            assert metric(metrics, "kvstack_router_upstream_errors_total", engine=a.url) >= 1
+            assert metric(metrics, "kvstack_router_retries_total") >= 1  # some went to the dead one first
+            assert in_flight(router) == {a.url: 0, b.url: 0}
+
+
+async def test_connect_error_retries_on_an_engine_the_saturation_filter_set_aside() -> None:
+    # The dead engine's last scrape looked idle, the live one's queue is over the saturation threshold: the
+    # profile keeps only the dead one, and the retry must still reach the busy one (not answer 502).
+    # Scrapes far apart, so the dead engine's reading stays fresh for the whole test.
+    async with (
+        inprocess_sims(2, time_scale=50) as (dying, busy),
+        routing_to([dying.url, busy.url], scrape_interval=10.0) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        patch_metrics(busy, with_queue(10))
+
+        async def busy_seen() -> bool:
+            await router.scraper.scrape_once()  # a scrape that began before the patch may answer first
+            signals = entry(router, busy.url).state.signals()
+            return signals is not None and signals.queue == 10
+
+        await until(busy_seen, "the busy engine's queue of 10 scraped")
+        assert entry(router, dying.url).state.signals() is not None  # fresh, and it looked idle
+        await stop_engine(dying)
+        async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
+            assert r.status == 200, await r.text()
+        text = await get_text(http, f"{router.url}/metrics")
+        assert metric(text, "kvstack_router_retries_total", reason="connect_error") == 1
+        assert metric(text, "kvstack_router_requests_total", engine=busy.url, status="200") == 1
+
+
+# -- a restarted engine rejoins ------------------------------------------------------------------------------
+async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
+    with stopping(await start_sim_processes(tmp_path, 2, "--time-scale", "20")) as engines:
+        a, b = engines
+        port_a = int(a.url.rsplit(":", 1)[1])
+        async with (
+            routing_to(
+                [a.url, b.url],
+                routing="round-robin",
+                scrape_interval=0.5,
+                circuit=CircuitConfig(failure_threshold=3, open_seconds=1.0),
+            ) as router,
+            aiohttp.ClientSession() as http,
+        ):
+            breaker = entry(router, a.url).breaker
+
+            async def scraped() -> bool:
+                return (await engine_view(http, router, a.url))["metrics"] is not None
+
+            await until(scraped, "a first scrape of the engine")
+            kill(a)
+            # Round-robin keeps offering the dead engine; each connect error counts against it and the
+            # request is retried on the other engine, until its circuit opens.
+            for _ in range(40):
+                assert await post_status(http, router, completion(2)) == 200
+                if breaker.state.value == "open":
+                    break
+            view = await engine_view(http, router, a.url)
+            assert view["circuit"] == "open" and not view["routable"]
+            metrics = await get_text(http, f"{router.url}/metrics")
+            assert metric(metrics, "kvstack_router_circuit_state", engine=a.url) == 2
+            assert metric(metrics, "kvstack_router_circuit_state", engine=b.url) == 0
+
+            async def stale_and_down() -> bool:
+                v = await engine_view(http, router, a.url)
+                return v["metrics"]["stale"] and not v["healthy"]
+
+            await until(stale_and_down, "the dead engine's metrics stale and the engine unhealthy")
+
+            restarted = await asyncio.to_thread(
+                start_sim_at, port_a, tmp_path / "restarted", "--time-scale", "20"
+            )
+            engines.append(restarted)
+
+            async def served_by_restarted() -> bool:
+                assert await post_status(http, router, completion(2)) == 200
+                text = await get_text(http, f"{restarted.url}/metrics")
+                return metric(text, "vllm:request_success_total") > 0
+
+            # Once its open period (1 s) is over and a scrape reached it, the probe request closes it.
+            await until(served_by_restarted, "a request served by the restarted engine", within=20)
+
+            async def rejoined() -> dict[str, Any] | None:
+                v = await engine_view(http, router, a.url)
+                fresh = v["metrics"] is not None and not v["metrics"]["stale"]
+                return v if v["circuit"] == "closed" and v["healthy"] and fresh else None
+
+            view = await until(rejoined, "the restarted engine closed, healthy and fresh")
+            assert view["routable"]
+            metrics = await get_text(http, f"{router.url}/metrics")
+            assert metric(metrics, "kvstack_router_circuit_state", engine=a.url) == 0
+
+
+# -- an engine exporting legacy metric names -----------------------------------------------------------------
+LEGACY_PAIRS = [
+    ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"],
+    ["vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"],
+    ["vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"],
+]
+
+
+async def test_legacy_metrics_engine_is_detected_and_reported(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="kvstack.engines.scraper")
+    current = await start_sim_processes(tmp_path / "current", 1)
+    legacy = await start_sim_processes(tmp_path / "legacy", 1, "--legacy-metric-names")
+    with stopping(current + legacy):
+        (new,), (old,) = current, legacy
+        async with routing_to([new.url, old.url]) as router, aiohttp.ClientSession() as http:
+            # Several scrapes of the legacy engine, to show each name is warned about once, not per scrape.
+            seen: set[float] = set()
+
+            async def scraped_five_times() -> bool:
+                reading = entry(router, old.url).state.metrics
+                if reading is not None:
+                    seen.add(reading.scraped_at)
+                return len(seen) >= 5
+
+            await until(scraped_five_times, "five scrapes of the legacy engine")
+            view = (await engine_view(http, router, old.url))["metrics"]
+            assert {p[0] for p in LEGACY_PAIRS} <= set(view["missing"])
+            assert sorted(view["aliases_used"]) == LEGACY_PAIRS
+            assert view["kv_usage"] is not None  # read through the legacy alias, not turned into "unknown"
+            assert view["queue"] is not None and view["running"] is not None
+            assert (await engine_view(http, router, new.url))["metrics"]["missing"] == []
+
+            metrics = await get_text(http, f"{router.url}/metrics")
+            for name in view["missing"]:
+                assert metric(metrics, "kvstack_engine_metric_missing", engine=old.url, metric=name) == 1
+            assert metric(metrics, "kvstack_engine_metric_missing", engine=new.url) == 0
+            assert (
+                f'kvstack_engine_metric_missing{{engine="{old.url}",metric="vllm:kv_cache_usage_perc"}} 1.0'
+                in metrics
+            )
+
+            warnings = [
+                r.getMessage()
+                for r in caplog.records
+                if r.levelno == logging.WARNING and r.name == "kvstack.engines.scraper"
+            ]
+            for name in view["missing"]:
+                said = [w for w in warnings if old.url in w and f"exports no {name} " in w]
+                assert len(said) == 1, (name, said)
+            legacy_kv = next(w for w in warnings if "exports no vllm:kv_cache_usage_perc " in w)
+            assert "found legacy vllm:gpu_cache_usage_perc" in legacy_kv
+            assert not [w for w in warnings if new.url in w]
+
+
+# -- stale metrics are never idle ----------------------------------------------------------------------------
+async def test_stale_metrics_count_as_unknown_not_idle() -> None:
+    async with (
+        inprocess_sims(2, time_scale=50) as (idle, busy),
+        routing_to([idle.url, busy.url]) as router,
+        aiohttp.ClientSession() as http,
+    ):
+        patch_metrics(busy, with_queue(10))  # saturated by the default profile's filter (queue > 5)
+
+        async def both_fresh() -> bool:
+            views = [await engine_view(http, router, e.url) for e in (idle, busy)]
+            ok = all(v["metrics"] and not v["metrics"]["stale"] for v in views)
+            return ok and views[1]["metrics"]["queue"] == 10
+
+        await until(both_fresh, "fresh readings of both engines")
+
+        async def served(engine: RunningEngine) -> float:
+            text = await get_text(http, f"{router.url}/metrics")
+            return metric(text, "kvstack_router_requests_total", engine=engine.url)
+
+        for i in range(8):
+            assert await post_status(http, router, completion(2, prompt=f"fresh {i}")) == 200
+        assert (await served(idle), await served(busy)) == (8, 0)
+
+        # The idle engine's /metrics stops making sense; the engine itself keeps serving.
+        patch_metrics(idle, lambda _: b"<html>metrics exporter crashed</html>\n")
+
+        async def idle_is_stale() -> dict[str, Any] | None:
+            view = await engine_view(http, router, idle.url)
+            return view if view["metrics"]["stale"] else None
+
+        view = await until(idle_is_stale, "the engine's metrics marked stale")
+        # Healthy and routable (its /metrics answered, just not with metrics), last reading kept but stale.
+        assert view["healthy"] and view["routable"] and view["circuit"] == "closed"
+        assert view["metrics"]["queue"] == 0
+
+        # Its last reading said idle (queue 0) against the other's queue of 10; stale, it counts as unknown.
+        for i in range(8):
+            assert await post_status(http, router, completion(2, prompt=f"stale {i}")) == 200
+        assert (await served(idle), await served(busy)) == (8, 8)
+        text = await get_text(http, f"{router.url}/metrics")
+        assert metric(text, "kvstack_engine_scrape_errors_total", engine=idle.url, reason="parse") >= 1
+
+
+# -- 1,000 concurrent streams --------------------------------------------------------------------------------
+async def test_a_thousand_concurrent_streams_all_complete() -> None:
+    n, tokens = 1000, 16
+    async with (
+        inprocess_sims(4, time_scale=50, block_size=16, num_gpu_blocks=4096) as sims,
+        # Fewer slots than streams: some wait in the admission queue and must get through too.
+        routing_to([s.url for s in sims], max_in_flight=600, max_queue=1000, queue_timeout=120) as router,
+        aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http,
+    ):
+        start = asyncio.Event()
+
+        async def one(i: int) -> list[bytes]:
+            await start.wait()
+            async with http.post(
+                f"{router.url}/v1/completions", json=completion(tokens, stream=True, prompt=f"stream {i}")
+            ) as r:
+                assert r.status == 200, await r.text()
+                return await EventReader(r).to_end()
+
+        most_queued = 0
+
+        async def watch_queue() -> None:
+            nonlocal most_queued
+            while True:
+                most_queued = max(most_queued, router.app.admission.queued)
+                await asyncio.sleep(0.02)
+
+        watcher = asyncio.create_task(watch_queue())
+        tasks = [asyncio.create_task(one(i)) for i in range(n)]
+        start.set()
+        try:
+            results = await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        finally:
+            watcher.cancel()
+        # All 1,000 are sent at once and each stream takes 16 engine steps: the ones beyond 600 queue.
+        assert most_queued > 0
+
+        for events in results:
+            assert events[-1] == b"[DONE]"
+            assert len(text_events(events)) == tokens
+            assert json.loads(events[-2])["usage"]["completion_tokens"] == tokens
+        assert router.app.admission.queued == 0 and router.app.admission.in_flight == 0
+        assert in_flight(router) == {s.url: 0 for s in sims}
+        text = await get_text(http, f"{router.url}/metrics")
+        for s in sims:
+            assert metric(text, "kvstack_router_in_flight_requests", engine=s.url) == 0
+            assert metric(text, "kvstack_router_requests_total", engine=s.url, status="200") > 0
+        assert metric(text, "kvstack_router_requests_total", status="200") == n
+        assert metric(text, "kvstack_router_queued_requests") == 0
+        assert metric(text, "kvstack_router_admission_rejections_total") == 0
+
+
+# -- Kubernetes discovery end to end -------------------------------------------------------------------------
+async def test_kubernetes_pod_ready_then_deleted() -> None:
+    fake = FakeKubeApi()
+    await fake.start()
+    try:
+        async with (
+            inprocess_sims(1, time_scale=50) as (sim,),
+            ApiClient(configuration=Configuration(host=fake.url)) as api,
+            aiohttp.ClientSession() as http,
+        ):
+            # discovery builds http://<podIP>:<port>: the pod's IP is loopback, the port the simulator's.
+            port = int(sim.url.rsplit(":", 1)[1])
+            labels = {"app": "engine"}
+            fake.add_pod(make_pod("engine-0", "127.0.0.1", ready=False, labels=labels))
+            fake.add_pod(make_pod("other-0", "127.0.0.1", labels={"app": "something-else"}))
+            fast = Backoff(initial_s=0.02, max_s=0.2)
+            discovery = KubernetesDiscovery("default", "app=engine", port, api_client=api, backoff=fast)
+            router = await start_router(
+                RouterOptions(port=0, discovery=discovery, expected_models=frozenset({MODEL}))
+            )
+            try:
+                await asyncio.wait_for(discovery.wait_synced(), 10)
+
+                async def ready_status() -> int:
+                    async with http.get(f"{router.url}/ready") as r:
+                        return r.status
+
+                assert await ready_status() == 503  # the only matching pod is not Ready
+                assert len(router.app.registry) == 0
+
+                fake.set_ready("engine-0", True)
+
+                async def routable() -> bool:
+                    return await ready_status() == 200
+
+                await until(routable, "/ready once the pod is Ready")
+                assert [e.state.url for e in router.app.registry] == [sim.url]
+                for i in range(3):
+                    assert await post_status(http, router, completion(2, prompt=f"k8s {i}")) == 200
+
+                fake.delete_pod("engine-0")
+
+                async def gone() -> bool:
+                    return await ready_status() == 503
+
+                await until(gone, "/ready 503 once the pod is deleted")
+                async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
+                    body = await r.json()
+                    assert r.status == 404 and body["error"]["param"] == "model", body
+                assert len(router.app.registry) == 0
+            finally:
+                await router.stop()
+    finally:
+        await fake.close()
