@@ -247,11 +247,8 @@ class Proxy:
             except aiohttp.ClientConnectorError:
                 settle(False)
                 raise _Retryable("connect_error") from None
-            except (
-                aiohttp.ServerTimeoutError,
-                aiohttp.ServerDisconnectedError,
-                aiohttp.ClientOSError,
-            ) as exc:
+            except aiohttp.ClientConnectionError as exc:
+                # Includes a pooled connection the engine reset: the engine's failure, not the client's.
                 settle(False)
                 raise _Retryable(type(exc).__name__) from None
 
@@ -272,30 +269,22 @@ class Proxy:
             await response.prepare(request)
             outcome.first_byte_at = self._clock()
             is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
-            try:
-                while True:
-                    remaining = deadline - self._clock()
+            while True:
+                remaining = deadline - self._clock()
+                try:
                     if remaining <= 0:
                         raise TimeoutError("total")
                     async with asyncio.timeout(min(timeouts.idle, remaining)):
                         chunk = await upstream.content.readany()
-                    if not chunk:
-                        break
-                    await response.write(chunk)
-                    outcome.bytes_sent += len(chunk)
-            except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                reason = "idle_timeout" if isinstance(exc, TimeoutError) else "upstream_broke"
-                outcome.error = reason
-                settle(False)
-                self.metrics.upstream_errors.labels(engine=url, reason=reason).inc()
-                if is_sse or stream:
-                    err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
-                    with contextlib.suppress(ConnectionError):
-                        await response.write(encode_error_event(err))
-                upstream.close()
-                with contextlib.suppress(ConnectionError):
-                    await response.write_eof()
-                return response
+                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                    settle(False)
+                    self.metrics.upstream_errors.labels(engine=url, reason="mid_stream").inc()
+                    return await _upstream_broke(response, upstream, exc, url, stream or is_sse, outcome)
+                if not chunk:
+                    break
+                # A failed write means the client left: ConnectionResetError goes to the handler below.
+                await response.write(chunk)
+                outcome.bytes_sent += len(chunk)
             settle(upstream.status < 500)
             await response.write_eof()
             return response
@@ -313,6 +302,27 @@ class Proxy:
             self.metrics.in_flight.labels(engine=url).set(state.in_flight)
             if upstream is not None:
                 upstream.release()
+
+
+async def _upstream_broke(
+    response: web.StreamResponse,
+    upstream: aiohttp.ClientResponse,
+    exc: BaseException,
+    url: str,
+    sse: bool,
+    outcome: Outcome,
+) -> web.StreamResponse:
+    """After bytes reached the client the status cannot change: end a stream with an SSE error event."""
+    reason = "idle_timeout" if isinstance(exc, TimeoutError) else "upstream_broke"
+    outcome.error = reason
+    if sse:
+        err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
+        with contextlib.suppress(ConnectionError):
+            await response.write(encode_error_event(err))
+    upstream.close()
+    with contextlib.suppress(ConnectionError):
+        await response.write_eof()
+    return response
 
 
 async def _read_small(resp: aiohttp.ClientResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
