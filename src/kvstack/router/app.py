@@ -18,8 +18,8 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -212,7 +212,7 @@ class RouterApp:
                     data = await resp.json(content_type=None)
                 models = frozenset(m["id"] for m in data["data"])
                 if models != entry.state.endpoint.models:
-                    entry.state.endpoint = _replace_models(entry.state.endpoint, models)
+                    self.registry.upsert(_replace_models(entry.state.endpoint, models))
                 delay = self.config.models_refresh_s
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
                 log.debug("engine %s: /v1/models failed: %r", url, exc)
@@ -335,12 +335,13 @@ class RouterApp:
         raw = await request.read()
         route = self._parse(request, raw)
         timeouts = self.config.timeouts.overridden(request.headers)
-        model_label = route.model or "default"
+        # Only served model names become label values: a client cannot grow the metric's series.
+        model_label = route.model if route.model in self.registry.models() else "other"
         outcome = Outcome()
         try:
             async with self.admission.slot():
                 profile, candidates = self._candidates(route)
-                self.metrics.decisions.labels(profile=profile, engine=candidates[0]).inc()
+                self.metrics.decision(profile, candidates[0])
                 response = await self.proxy.forward(
                     request,
                     path=route.path,
@@ -360,13 +361,11 @@ class RouterApp:
             outcome.status = err.status
             raise
         finally:
-            status = str(outcome.status or 499)
-            self.metrics.requests.labels(
-                model=model_label, engine=outcome.engine or "none", status=status
-            ).inc()
+            self.metrics.request_done(model_label, outcome.engine or "none", str(outcome.status or 499))
             if outcome.first_byte_at is not None:
-                self.metrics.ttft.labels(model=model_label).observe(outcome.first_byte_at - started)
-                self.metrics.e2e.labels(model=model_label).observe(time.monotonic() - started)
+                self.metrics.observe_latency(
+                    model_label, outcome.first_byte_at - started, time.monotonic() - started
+                )
         return response
 
     def _parse(self, request: web.Request, raw: bytes) -> RouteRequest:
@@ -385,8 +384,7 @@ class RouterApp:
         known = self.registry.models()
         if model is None and len(known) > 1:
             raise errors.bad_request(f"model is required: this router serves {sorted(known)}", "model")
-        all_known = all(e.state.endpoint.models for e in self.registry)
-        if model is not None and all_known and model not in known:
+        if model is not None and self.registry.all_models_known() and model not in known:
             raise errors.not_found_model(model, sorted(known))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -394,7 +392,7 @@ class RouterApp:
         session = request.headers.get(SESSION_HEADER)
         if session is None and isinstance(body.get("user"), str):
             session = body["user"]
-        request_id = request.headers.get("x-request-id") or f"kvs-{uuid.uuid4().hex}"
+        request_id = request.headers.get("x-request-id") or f"kvs-{secrets.token_hex(12)}"
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
     def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:

@@ -5,6 +5,7 @@ an engine's ``vllm:`` name, so engine and router series never mix on one dashboa
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -92,11 +93,36 @@ class RouterMetrics:
             "kvstack_router_engines", "Engines known to the router, by routability.", ["state"], registry=reg
         )
 
+        # labels() takes a lock and validates on every call; the hot path reuses children instead.
+        self._children: dict[tuple[object, ...], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*values)
+        return child
+
+    def engine_in_flight(self, engine: str) -> Gauge:
+        gauge: Gauge = self._child(self.in_flight, engine)
+        return gauge
+
+    def request_done(self, model: str, engine: str, status: str) -> None:
+        self._child(self.requests, model, engine, status).inc()
+
+    def observe_latency(self, model: str, first_byte: float, total: float) -> None:
+        self._child(self.ttft, model).observe(first_byte)
+        self._child(self.e2e, model).observe(total)
+
+    def decision(self, profile: str, engine: str) -> None:
+        self._child(self.decisions, profile, engine).inc()
+
     def set_circuit(self, engine: str, state: CircuitState) -> None:
-        self.circuit.labels(engine=engine).set(CIRCUIT_VALUES[state])
+        self._child(self.circuit, engine).set(CIRCUIT_VALUES[state])
 
     def forget_engine(self, engine: str) -> None:
         """Drop an engine's labelled series when it leaves, so removed engines do not linger (bounded)."""
+        self._children = {k: v for k, v in self._children.items() if engine not in k[1:]}
         for metric in (self.in_flight, self.circuit):
             with contextlib.suppress(KeyError):
                 metric.remove(engine)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import random
 import time
@@ -57,6 +58,14 @@ _DROP_RESPONSE_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+# Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
+WHOLE_BODY_MAX = 8 * 1024 * 1024
+
+
+@functools.lru_cache(maxsize=64)
+def _client_timeout(connect: float) -> aiohttp.ClientTimeout:
+    # No total here: the proxy's own first-byte, idle and total timers bound the request.
+    return aiohttp.ClientTimeout(total=None, sock_connect=connect, connect=connect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,8 +223,10 @@ class Proxy:
         url = state.url
         state.in_flight += 1
         self.registry.note_sent(state, self._clock())
-        self.metrics.in_flight.labels(engine=url).set(state.in_flight)
+        in_flight_gauge = self.metrics.engine_in_flight(url)
+        in_flight_gauge.set(state.in_flight)
         upstream: aiohttp.ClientResponse | None = None
+        response: web.StreamResponse | None = None
         settled = False
 
         def settle(ok: bool | None) -> None:
@@ -232,14 +243,15 @@ class Proxy:
             self.metrics.set_circuit(url, breaker.state)
 
         try:
-            client_timeout = aiohttp.ClientTimeout(
-                total=None, sock_connect=timeouts.connect, connect=timeouts.connect
-            )
             first_byte = min(timeouts.first_byte, max(0.0, deadline - self._clock()))
             try:
                 async with asyncio.timeout(first_byte):
                     upstream = await self.session.post(
-                        url + path, data=body, headers=headers, timeout=client_timeout, allow_redirects=False
+                        url + path,
+                        data=body,
+                        headers=headers,
+                        timeout=_client_timeout(timeouts.connect),
+                        allow_redirects=False,
                     )
             except TimeoutError:
                 settle(False)
@@ -261,35 +273,75 @@ class Proxy:
                 settle(False)
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
-
-            response = web.StreamResponse(
-                status=upstream.status, headers=_response_headers(upstream, headers["x-request-id"])
-            )
             outcome.status = upstream.status
+            resp_headers = _response_headers(upstream, headers["x-request-id"])
+            is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
+            length = upstream.content_length
+            loop = asyncio.get_running_loop()
+
+            if not is_sse and length is not None and length <= WHOLE_BODY_MAX:
+                # A complete, sized body (a non-streaming answer): relay it in one write with its length.
+                try:
+                    async with asyncio.timeout(min(timeouts.idle, max(0.0, deadline - self._clock()))):
+                        data = await upstream.read()
+                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                    settle(False)
+                    self.metrics.upstream_errors.labels(engine=url, reason="body").inc()
+                    raise OpenAIError(
+                        502, f"engine {url} failed while sending its answer", "BadGatewayError"
+                    ) from None
+                outcome.first_byte_at = self._clock()
+                settle(upstream.status < 500)
+                return web.Response(status=upstream.status, body=data, headers=resp_headers)
+
+            response = web.StreamResponse(status=upstream.status, headers=resp_headers)
             await response.prepare(request)
             outcome.first_byte_at = self._clock()
-            is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
-            while True:
-                remaining = deadline - self._clock()
-                try:
-                    if remaining <= 0:
-                        raise TimeoutError("total")
-                    async with asyncio.timeout(min(timeouts.idle, remaining)):
-                        chunk = await upstream.content.readany()
-                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-                    settle(False)
-                    self.metrics.upstream_errors.labels(engine=url, reason="mid_stream").inc()
-                    return await _upstream_broke(response, upstream, exc, url, stream or is_sse, outcome)
-                if not chunk:
-                    break
-                # A failed write means the client left: ConnectionResetError goes to the handler below.
-                await response.write(chunk)
-                outcome.bytes_sent += len(chunk)
+            content = upstream.content
+            # One timer for the whole relay, pushed forward before each read (idle gap, capped by the total).
+            async with asyncio.timeout(None) as watchdog:
+                while True:
+                    watchdog.reschedule(
+                        min(loop.time() + timeouts.idle, loop.time() + deadline - self._clock())
+                    )
+                    broke: Exception | None = None
+                    try:
+                        chunk = await content.readany()
+                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                        chunk, broke = b"", exc
+                    if broke is not None:
+                        watchdog.reschedule(None)
+                        settle(False)
+                        self.metrics.upstream_errors.labels(engine=url, reason="mid_stream").inc()
+                        return await _upstream_broke(
+                            response, upstream, broke, url, stream or is_sse, outcome
+                        )
+                    if not chunk:
+                        break
+                    # Only the engine's silence counts as idle, not a slow client.
+                    watchdog.reschedule(None)
+                    # A failed write means the client left: ConnectionResetError goes to the handler below.
+                    await response.write(chunk)
+                    outcome.bytes_sent += len(chunk)
             settle(upstream.status < 500)
             await response.write_eof()
             return response
-        except (asyncio.CancelledError, ConnectionResetError):
-            # The client went away: closing the upstream connection makes the engine abort the request.
+        except TimeoutError as exc:
+            # The relay watchdog fired: idle gap or total deadline, after bytes reached the client.
+            settle(False)
+            self.metrics.upstream_errors.labels(engine=url, reason="idle_timeout").inc()
+            assert response is not None and upstream is not None
+            return await _upstream_broke(response, upstream, exc, url, True, outcome)
+        except ConnectionResetError:
+            # The client went away mid-write: closing the upstream connection makes the engine abort.
+            outcome.error = "client_disconnected"
+            settle(None)
+            if upstream is not None:
+                upstream.close()
+            if response is None:
+                raise
+            return response
+        except asyncio.CancelledError:
             outcome.error = "client_disconnected"
             settle(None)
             if upstream is not None:
@@ -299,7 +351,7 @@ class Proxy:
             state.in_flight -= 1
             # Requests the last scrape saw have finished: the baseline of "sent since the scrape" drops too.
             state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.in_flight)
-            self.metrics.in_flight.labels(engine=url).set(state.in_flight)
+            in_flight_gauge.set(state.in_flight)
             if upstream is not None:
                 upstream.release()
 

@@ -29,6 +29,9 @@ class EngineRegistry:
     def __init__(self, circuit: CircuitConfig | None = None) -> None:
         self._entries: dict[str, EngineEntry] = {}
         self._circuit = circuit or CircuitConfig()
+        # Derived per request on the hot path; recomputed only when an engine or its models change.
+        self._models: frozenset[str] | None = None
+        self._all_known: bool | None = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -58,9 +61,11 @@ class EngineRegistry:
             self._entries[endpoint.url] = entry
         else:
             entry.state.endpoint = endpoint
+        self._models = self._all_known = None
         return entry
 
     def remove(self, url: str) -> EngineEntry | None:
+        self._models = self._all_known = None
         return self._entries.pop(url, None)
 
     def set_draining(self, url: str, draining: bool) -> bool:
@@ -70,8 +75,17 @@ class EngineRegistry:
         entry.state.draining = draining
         return True
 
-    def models(self) -> set[str]:
-        return {m for e in self._entries.values() for m in e.state.endpoint.models}
+    def models(self) -> frozenset[str]:
+        """Every model some engine serves."""
+        if self._models is None:
+            self._models = frozenset(m for e in self._entries.values() for m in e.state.endpoint.models)
+        return self._models
+
+    def all_models_known(self) -> bool:
+        """True when every engine has told its models (so an unknown model name is a 404)."""
+        if self._all_known is None:
+            self._all_known = all(e.state.endpoint.models for e in self._entries.values())
+        return self._all_known
 
     @staticmethod
     def note_sent(state: EngineState, now: float) -> None:
