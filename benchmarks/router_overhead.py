@@ -7,8 +7,7 @@ group's id):
 - ``direct``: wrk straight to the backend (the floor every router adds to);
 - ``kvstack``: ``kvstack router --engine <backend>`` (default routing preset), one process;
 - ``kvstack xW``: W router processes on one port (SO_REUSEPORT). The CLI has no flag for it yet, so each
-  is the CLI's own code path (``kvstack.cli.main(["router", ...])``) with ``RouterOptions.reuse_port``
-  defaulting to True: what a ``--workers W`` flag would start;
+  is ``kvstack router --workers W`` (W processes sharing the port through SO_REUSEPORT);
 - ``vllm-router``: ``vllm-router==0.1.17``, default policy (``cache_aware``: it asks the engine's
   ``/v1/completions/render`` for token ids before every request, as it would ask vLLM);
 - ``vllm-router rr``: the same with ``--policy round_robin`` (no render call: its bare proxy cost);
@@ -383,10 +382,7 @@ def kvstack_target(workers: int) -> Target:
     def start(backend: str, logs: Path) -> tuple[Group, str]:
         port = free_port()
         args = ["router", "--port", str(port), "--engine", backend, "--log-level", "warning"]
-        if workers == 1:
-            cmds = [[str(KVSTACK), *args]]
-        else:
-            cmds = [[str(DEV_BIN / "python"), __file__, "--kvstack-worker", *args] for _ in range(workers)]
+        cmds = [[str(KVSTACK), *args, "--workers", str(workers)]]
         name = "kvstack" if workers == 1 else f"kvstack-x{workers}"
         return Group.start(name, cmds, logs / f"{name}.log"), f"http://{HOST}:{port}"
 
@@ -430,22 +426,6 @@ def sglang_router_target(peers_python: Path) -> Target:
 
 # The peers get no model or tokenizer path; these keep any Hugging Face client offline all the same.
 _OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-
-
-def kvstack_worker(argv: list[str]) -> int:
-    """One router process of ``kvstack xW``: the CLI's own code path, bound with SO_REUSEPORT.
-
-    The CLI builds ``RouterOptions`` itself and has no flag for ``reuse_port``; here its default is True.
-    """
-    import kvstack.router.server as server
-    from kvstack import cli
-
-    @dataclass
-    class ReusePortOptions(server.RouterOptions):
-        reuse_port: bool = True
-
-    server.RouterOptions = ReusePortOptions  # type: ignore[misc]
-    return cli.main(argv)
 
 
 # -- one wrk run ----------------------------------------------------------------------------------
@@ -1036,8 +1016,6 @@ def idle_check(seconds: float = 1.0) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--kvstack-worker"]:
-        return kvstack_worker(argv[1:])
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="short runs and a 20k-request memory soak")
     parser.add_argument("--skip-peers", action="store_true", help="only direct and kvstack")

@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import signal
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -197,6 +198,14 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="router processes sharing the port (SO_REUSEPORT); each keeps its own engine state, breakers "
+        "and admission limits, and admin calls reach only the process that receives them",
+    )
+    p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     g = p.add_argument_group("engines (discovery)")
     g.add_argument(
         "--engine",
@@ -239,7 +248,7 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     p.add_argument("--log-level", default="info")
 
 
-def _run_router(args: argparse.Namespace) -> int:
+def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
     import os
 
     from kvstack.engines.discovery import FileDiscovery, parse_engine_spec
@@ -289,8 +298,26 @@ def _run_router(args: argparse.Namespace) -> int:
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         expected_models=frozenset(args.model),
+        reuse_port=args.reuse_port or args.workers > 1,
     )
-    return _serve(serve_forever(opts))
+    if args.workers < 1:
+        print("kvstack router: --workers must be at least 1", file=sys.stderr)
+        return 2
+    # Extra workers are this command again with one worker each; the last --workers/--reuse-port wins.
+    children = [
+        subprocess.Popen([sys.executable, "-m", "kvstack.cli", *argv, "--workers", "1", "--reuse-port"])
+        for _ in range(args.workers - 1)
+    ]
+    try:
+        return _serve(serve_forever(opts))
+    finally:
+        for child in children:
+            child.terminate()
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
 
 
 def _kubernetes_discovery(args: argparse.Namespace) -> Any:
@@ -409,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         return _run_model(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     if args.command == "router":
-        return _run_router(args)
+        return _run_router(args, list(sys.argv[1:] if argv is None else argv))
     if args.command == "up":
         return _run_up(args)
     return _run_sim(args)
