@@ -49,7 +49,6 @@ import contextlib
 import http.client
 import json
 import os
-import platform
 import re
 import resource
 import shlex
@@ -64,6 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from machine_info import machine, machine_cpu_ticks
 from rich.console import Console
 from rich.table import Table
 
@@ -167,13 +167,6 @@ def rss_bytes(pid: int) -> int | None:
     except OSError:
         return None
     return None
-
-
-def machine_cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores from /proc/stat: the whole machine, other processes included."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return sum(values) - idle, sum(values)
 
 
 def children_cpu_seconds() -> float:
@@ -987,31 +980,6 @@ def runs_table(runs: list[dict[str, Any]]) -> Table:
             _fmt(r["machine_busy_pct"], 0),
         )
     return table
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
-        "busy_pct_before_start": round(idle_check(), 1),
-    }
-
-
-def idle_check(seconds: float = 1.0) -> float:
-    """Busy share of all cores over ``seconds`` before the run: other work on the machine skews results."""
-    busy0, all0 = machine_cpu_ticks()
-    time.sleep(seconds)
-    busy1, all1 = machine_cpu_ticks()
-    return 100 * (busy1 - busy0) / max(1, all1 - all0)
 
 
 def main(argv: list[str] | None = None) -> int:

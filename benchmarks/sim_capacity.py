@@ -31,7 +31,6 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import random
 import re
 import resource
@@ -48,6 +47,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+from machine_info import machine, machine_cpu_ticks
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 from rich.table import Table
@@ -156,13 +156,6 @@ def process_cpu_seconds(pid: int) -> float:
     # The command name may contain spaces; the fields after it are fixed.
     fields = stat[stat.rindex(")") + 2 :].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def machine_cpu_ticks() -> tuple[int, int]:
-    """(busy, total) jiffies of all cores from /proc/stat: the whole machine, other processes included."""
-    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return sum(values) - idle, sum(values)
 
 
 # -- wire types (only the fields the benchmark reads; msgspec skips the rest) ---------------------------
@@ -630,31 +623,6 @@ def results_table(rows: list[dict[str, Any]]) -> Table:
             "yes" if r["holds"] else "no",
         )
     return table
-
-
-def machine() -> dict[str, Any]:
-    cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": cpu,
-        "python": platform.python_version(),
-        "kernel": platform.release(),
-        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
-        "busy_pct_before_start": round(idle_check(), 1),
-    }
-
-
-def idle_check(seconds: float = 1.0) -> float:
-    """Busy share of all cores over ``seconds`` before the run: other work on the machine skews results."""
-    busy0, all0 = machine_cpu_ticks()
-    time.sleep(seconds)
-    busy1, all1 = machine_cpu_ticks()
-    return 100 * (busy1 - busy0) / max(1, all1 - all0)
 
 
 def _raise_fd_limit() -> None:

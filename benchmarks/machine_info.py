@@ -1,0 +1,46 @@
+"""Facts about the machine a benchmark runs on, shared by the scripts in benchmarks/.
+
+These machines are shared and noisy: every result records the cores, the CPU and how busy the machine was just
+before the run, so a reader can tell a slow run from a slow program.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+
+def machine_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of all cores from /proc/stat: the whole machine, other processes included."""
+    values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values) - idle, sum(values)
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": cpu,
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "loadavg_at_start": Path("/proc/loadavg").read_text().split()[:3],
+        "busy_pct_before_start": round(idle_check(), 1),
+    }
+
+
+def idle_check(seconds: float = 1.0) -> float:
+    """Busy share of all cores over ``seconds`` before the run: other work on the machine skews results."""
+    busy0, all0 = machine_cpu_ticks()
+    time.sleep(seconds)
+    busy1, all1 = machine_cpu_ticks()
+    return 100 * (busy1 - busy0) / max(1, all1 - all0)
