@@ -31,6 +31,7 @@ from aiohttp import web
 from kvstack.engines.state import Endpoint, EngineRole, EngineState
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
+from kvstack.openai.http import json_response
 from kvstack.router.admission import AdmissionController, AdmissionRejected
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
@@ -39,7 +40,6 @@ from kvstack.router.registry import EngineRegistry
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
 
 PROXIED_PATHS = (
@@ -51,12 +51,6 @@ PROXIED_PATHS = (
     "/detokenize",
 )
 SESSION_HEADER = "x-session-id"
-
-
-def json_response(body: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(
-        body=_json.encode(body), status=status, content_type="application/json", headers=headers
-    )
 
 
 @dataclass(frozen=True, slots=True)

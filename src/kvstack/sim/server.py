@@ -24,6 +24,7 @@ from aiohttp import web
 from kvstack.engines.tokenizer import Tokenizer
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
+from kvstack.openai.http import error_response, json_response
 from kvstack.openai.protocol import (
     ChatRequest,
     CompletionRequest,
@@ -46,15 +47,6 @@ from kvstack.sim.scheduler import SimRequest
 log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-_json = msgspec.json.Encoder()
-
-
-def json_response(body: Any, status: int = 200) -> web.Response:
-    return web.Response(body=_json.encode(body), status=status, content_type="application/json")
-
-
-def error_response(err: OpenAIError) -> web.Response:
-    return json_response(err.body(), status=err.status)
 
 
 @dataclass
@@ -458,10 +450,8 @@ class SimServer:
                     if chat
                     else R.completion_logprobs(tokens, k, vocab, text_of)
                 )
-            if chat:
-                choice = R.chat_choice(seq.index, seq.text, seq.finish_reason, logprobs=lp)
-            else:
-                choice = R.completion_choice(seq.index, seq.text, seq.finish_reason, logprobs=lp)
+            build_choice = R.chat_choice if chat else R.completion_choice
+            choice = build_choice(seq.index, seq.text, seq.finish_reason, logprobs=lp)
             choice["stop_reason"] = seq.stop_reason
             choices.append(choice)
         usage = self._usage(seqs, chat=chat, full=True)
@@ -488,6 +478,7 @@ class SimServer:
         include_usage = req.stream_options.include_usage
         continuous = req.stream_options.continuous_usage_stats
         k = req.options.logprobs
+        build_chunk = R.chat_chunk if chat else R.completion_chunk
 
         async def send(obj: dict[str, Any]) -> None:
             nonlocal chunks_sent
@@ -516,28 +507,16 @@ class SimServer:
                     if chat
                     else R.completion_logprobs(pair, k, vocab, text_of, len(seq.text) - len(delta))
                 )
-            if chat:
-                chunk = R.chat_chunk(
-                    request_id,
-                    model,
-                    created,
-                    seq.index,
-                    delta,
-                    seq.finish_reason,
-                    logprobs=lp,
-                    stop_reason=seq.stop_reason,
-                )
-            else:
-                chunk = R.completion_chunk(
-                    request_id,
-                    model,
-                    created,
-                    seq.index,
-                    delta,
-                    seq.finish_reason,
-                    logprobs=lp,
-                    stop_reason=seq.stop_reason,
-                )
+            chunk = build_chunk(
+                request_id,
+                model,
+                created,
+                seq.index,
+                delta,
+                seq.finish_reason,
+                logprobs=lp,
+                stop_reason=seq.stop_reason,
+            )
             if seq.finish_reason is not None and not include_usage:
                 # vLLM stamps the fingerprint on the terminal chunk unless a usage chunk comes last.
                 chunk["system_fingerprint"] = R.SYSTEM_FINGERPRINT
