@@ -6,6 +6,7 @@ breaker outcomes; scheduling reads ``states()``. A removed engine's in-flight re
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -89,12 +90,10 @@ class EngineRegistry:
 
     @staticmethod
     def note_sent(state: EngineState, now: float) -> None:
+        """Record a send time, keeping only the last window (and at most RECENT_MAX times)."""
         recent = state.recent_requests
         recent.append(now)
-        if len(recent) > RECENT_MAX or (recent and now - recent[0] > RECENT_WINDOW_S):
-            cut = 0
-            while cut < len(recent) and (
-                now - recent[cut] > RECENT_WINDOW_S or len(recent) - cut > RECENT_MAX
-            ):
-                cut += 1
+        if now - recent[0] > RECENT_WINDOW_S or len(recent) > RECENT_MAX:
+            # Times are appended in order, so the expired ones are a prefix.
+            cut = max(bisect.bisect_right(recent, now - RECENT_WINDOW_S), len(recent) - RECENT_MAX)
             del recent[:cut]

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -51,13 +51,6 @@ class RequestStream:
 
     req: SimRequest
     queue: asyncio.Queue[TokenEvent] = field(default_factory=asyncio.Queue)
-
-    async def tokens(self) -> AsyncIterator[TokenEvent]:
-        while True:
-            ev = await self.queue.get()
-            yield ev
-            if ev.finish_reason is not None:
-                return
 
 
 @dataclass(frozen=True, slots=True)

@@ -300,8 +300,6 @@ class EngineMetrics:
 
     def observe_finished(self, req: SimRequest) -> None:
         self.success[req.finish_reason or "stop"].inc()
-        if req.finish_reason == "abort":
-            return
         n_out = len(req.output_token_ids)
         self.request_generation_tokens.observe(n_out)
         self.request_preemptions.observe(req.num_preemptions)
