@@ -133,6 +133,7 @@ def test_registry_has_every_builtin_with_a_docstring_formula() -> None:
         "model-filter", "health-filter", "saturation-filter",
         "queue-scorer", "running-requests-scorer", "kv-cache-utilization-scorer", "load-aware-scorer",
         "active-requests-scorer", "session-affinity-scorer", "least-qps-scorer",
+        "precise-prefix-scorer", "approximate-prefix-scorer", "no-hit-lru-scorer",
         "max-score-picker", "random-picker", "weighted-random-picker", "round-robin-picker",
         "power-of-two-picker", "single-profile-handler",
     }  # fmt: skip

@@ -20,7 +20,7 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,10 +65,18 @@ class RouteRequest:
     body: dict[str, Any]
 
 
+class EngineListener(Protocol):
+    """Told when engines join or leave (the KV-event subscribers follow the fleet this way)."""
+
+    def engine_added(self, endpoint: Endpoint) -> None: ...
+
+    def engine_removed(self, url: str) -> None: ...
+
+
 class Picker(Protocol):
     """The scheduling entry point as the router uses it: candidates in preference order."""
 
-    def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
+    async def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
         """(profile name, engine URLs: the chosen one first, then fallbacks for retries)."""
         ...
 
@@ -96,6 +104,7 @@ class RouterApp:
         *,
         expected_models: frozenset[str] = frozenset(),
         extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
+        listeners: Sequence[EngineListener] = (),
     ) -> None:
         self.config = config
         self.registry = registry
@@ -106,6 +115,7 @@ class RouterApp:
         self.session = session
         self.expected_models = expected_models
         self.extra_state = extra_state
+        self.listeners = tuple(listeners)
         self._model_tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- app ------------------------------------------------------------------------------------
@@ -179,6 +189,8 @@ class RouterApp:
             endpoint = _replace_models(endpoint, existing.state.endpoint.models)
         entry = self.registry.upsert(endpoint)
         self.metrics.set_circuit(endpoint.url, entry.breaker.state)
+        for listener in self.listeners:
+            listener.engine_added(endpoint)
         if endpoint.url not in self._model_tasks:
             self._model_tasks[endpoint.url] = asyncio.get_running_loop().create_task(
                 self._refresh_models(endpoint.url)
@@ -191,6 +203,8 @@ class RouterApp:
         removed = self.registry.remove(url) is not None
         if removed:
             self.metrics.forget_engine(url)
+            for listener in self.listeners:
+                listener.engine_removed(url)
         return removed
 
     async def _refresh_models(self, url: str) -> None:
@@ -334,7 +348,7 @@ class RouterApp:
         outcome = Outcome()
         try:
             async with self.admission.slot():
-                profile, candidates = self._candidates(route)
+                profile, candidates = await self._candidates(route)
                 self.metrics.decision(profile, candidates[0])
                 response = await self.proxy.forward(
                     request,
@@ -389,9 +403,9 @@ class RouterApp:
         request_id = request.headers.get("x-request-id") or f"kvs-{secrets.token_hex(12)}"
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
-    def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
+    async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
         # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
-        return self.picker.pick(route, self.registry.states())
+        return await self.picker.pick(route, self.registry.states())
 
 
 def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:

@@ -92,6 +92,57 @@ class RouterMetrics:
         self.engines = Gauge(
             "kvstack_router_engines", "Engines known to the router, by routability.", ["state"], registry=reg
         )
+        self.kv_events = Counter(
+            "kvstack_kv_events",
+            "KV events received from engines, by engine and event type.",
+            ["engine", "type"],
+            registry=reg,
+        )
+        self.kv_event_gaps = Counter(
+            "kvstack_kv_event_gaps",
+            "Sequence gaps in an engine's KV event stream (batches missed).",
+            ["engine"],
+            registry=reg,
+        )
+        self.kv_event_replays = Counter(
+            "kvstack_kv_event_replays",
+            "KV event replays asked of an engine, by result (ok, incomplete, failed).",
+            ["engine", "result"],
+            registry=reg,
+        )
+        self.kv_event_decode_errors = Counter(
+            "kvstack_kv_event_decode_errors",
+            "KV event messages that could not be decoded and were skipped.",
+            ["engine"],
+            registry=reg,
+        )
+        self.kv_event_resets = Counter(
+            "kvstack_kv_event_resets",
+            "Times an engine's prefix index entries were dropped, by reason (gap, restart, resync).",
+            ["engine", "reason"],
+            registry=reg,
+        )
+        self.kv_events_connected = Gauge(
+            "kvstack_kv_events_connected",
+            "1 while the router's KV event subscription to the engine is connected.",
+            ["engine"],
+            registry=reg,
+        )
+        self.prefix_index_entries = Gauge(
+            "kvstack_prefix_index_entries", "(engine, block) entries in the prefix index.", registry=reg
+        )
+        self.prefix_index_evictions = Gauge(
+            "kvstack_prefix_index_evicted_entries",
+            "Entries evicted from the prefix index by its memory bound, since start.",
+            registry=reg,
+        )
+        self.tokenize_seconds = Histogram(
+            "kvstack_router_tokenize_seconds",
+            "Time to get a prompt's token ids for routing, by source (local, remote, cache).",
+            ["source"],
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            registry=reg,
+        )
 
         # labels() takes a lock and validates on every call; the hot path reuses children instead.
         self._children: dict[tuple[object, ...], Any] = {}
@@ -126,9 +177,18 @@ class RouterMetrics:
         for metric in (self.in_flight, self.circuit):
             with contextlib.suppress(KeyError):
                 metric.remove(engine)
-        self._drop_series(self.metric_missing, engine)
-        self._drop_series(self.scrape_errors, engine)
-        self._drop_series(self.upstream_errors, engine)
+        for series in (
+            self.metric_missing,
+            self.scrape_errors,
+            self.upstream_errors,
+            self.kv_events,
+            self.kv_event_gaps,
+            self.kv_event_replays,
+            self.kv_event_decode_errors,
+            self.kv_event_resets,
+            self.kv_events_connected,
+        ):
+            self._drop_series(series, engine)
 
     @staticmethod
     def _drop_series(metric: Gauge | Counter, engine: str) -> None:
@@ -154,6 +214,29 @@ class RouterMetrics:
                 self.metric_missing.remove(engine, sample_labels["metric"])
         for name in names:
             self.metric_missing.labels(engine=engine, metric=name).set(1)
+
+    # -- KVEventObserver (kvstack.engines.kv_subscriber) ---------------------------------------------
+    def kv_batch(self, engine: str, batch: Any) -> None:
+        for event in batch.events:
+            self._child(self.kv_events, engine, type(event).__name__).inc()
+
+    def kv_gap(self, engine: str, missing: int) -> None:
+        self._child(self.kv_event_gaps, engine).inc(missing)
+
+    def kv_replay(self, engine: str, result: str) -> None:
+        self._child(self.kv_event_replays, engine, result).inc()
+
+    def kv_decode_error(self, engine: str) -> None:
+        self._child(self.kv_event_decode_errors, engine).inc()
+
+    def kv_reset(self, engine: str, reason: str) -> None:
+        self._child(self.kv_event_resets, engine, reason).inc()
+
+    def kv_connected(self, engine: str, connected: bool) -> None:
+        self._child(self.kv_events_connected, engine).set(1 if connected else 0)
+
+    def tokenized(self, source: str, seconds: float) -> None:
+        self._child(self.tokenize_seconds, source).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -58,6 +58,8 @@ _DROP_RESPONSE_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+# Response header naming the engine that answered (for clients, load tests and debugging).
+ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
 WHOLE_BODY_MAX = 8 * 1024 * 1024
 
@@ -196,7 +198,9 @@ class Proxy:
             resp = last_error.response
             outcome.status = resp.status
             out = web.Response(
-                status=resp.status, body=last_error.body, headers=_response_headers(resp, request_id)
+                status=resp.status,
+                body=last_error.body,
+                headers=_response_headers(resp, request_id, str(resp.url.origin())),
             )
             resp.release()
             return out
@@ -274,7 +278,7 @@ class Proxy:
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
             outcome.status = upstream.status
-            resp_headers = _response_headers(upstream, headers["x-request-id"])
+            resp_headers = _response_headers(upstream, headers["x-request-id"], url)
             is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
             length = upstream.content_length
             loop = asyncio.get_running_loop()
@@ -396,10 +400,11 @@ def _forward_headers(incoming: Mapping[str, str], request_id: str) -> CIMultiDic
     return out
 
 
-def _response_headers(resp: aiohttp.ClientResponse, request_id: str) -> CIMultiDict[str]:
+def _response_headers(resp: aiohttp.ClientResponse, request_id: str, engine: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
     for key, value in resp.headers.items():
         if key.lower() not in _DROP_RESPONSE_HEADERS:
             out.add(key, value)
     out["x-request-id"] = request_id
+    out[ENGINE_HEADER] = engine
     return out

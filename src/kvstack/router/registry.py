@@ -30,6 +30,7 @@ class EngineRegistry:
     def __init__(self, circuit: CircuitConfig | None = None) -> None:
         self._entries: dict[str, EngineEntry] = {}
         self._circuit = circuit or CircuitConfig()
+        self.default_knowledge = "none"  # EngineState.knowledge of a new engine
         # Derived per request on the hot path; recomputed only when an engine or its models change.
         self._models: frozenset[str] | None = None
         self._all_known: bool | None = None
@@ -58,7 +59,9 @@ class EngineRegistry:
         """Add an engine, or update what discovery says about it, keeping its runtime state."""
         entry = self._entries.get(endpoint.url)
         if entry is None:
-            entry = EngineEntry(EngineState(endpoint), CircuitBreaker(self._circuit))
+            entry = EngineEntry(
+                EngineState(endpoint, knowledge=self.default_knowledge), CircuitBreaker(self._circuit)
+            )
             self._entries[endpoint.url] = entry
         else:
             entry.state.endpoint = endpoint

@@ -15,16 +15,22 @@ import aiohttp
 from aiohttp import web
 
 from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
+from kvstack.engines.prompt_tokens import PromptTokenizer
 from kvstack.engines.scraper import MetricsScraper
-from kvstack.engines.state import Endpoint
+from kvstack.engines.state import Endpoint, EngineState
+from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.index.history import HistoryIndex
+from kvstack.index.prefix_index import PrefixIndex
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.circuit import CircuitConfig
+from kvstack.router.kv_feeds import KVEventFeeds
 from kvstack.router.metrics import RouterMetrics
+from kvstack.router.prefix import PrefixLocator
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.routing import SchedulerPicker
-from kvstack.scheduling import build_scheduler
+from kvstack.scheduling import Scheduler, build_scheduler
 from kvstack.scheduling.presets import load_routing
 
 log = logging.getLogger(__name__)
@@ -36,7 +42,8 @@ class RouterOptions:
     port: int = 8080
     engines: list[Endpoint] = field(default_factory=list)
     discovery: Discovery | None = None
-    routing: str = "default"  # a preset name or a YAML file
+    # A preset name or a YAML file; "auto": kv-aware while some engine publishes KV events, else default.
+    routing: str = "auto"
     app: RouterConfig = field(default_factory=RouterConfig)
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
@@ -49,6 +56,14 @@ class RouterOptions:
     # Share the port between several router processes (SO_REUSEPORT).
     reuse_port: bool = False
     connection_limit: int = 0  # upstream connections in total; 0 = unlimited
+    # Prompt tokenization for prefix routing: tokenizer directories by model ("*" = any model), and
+    # whether to ask an engine's /tokenize for models without one.
+    tokenizers: dict[str, str] = field(default_factory=dict)
+    remote_tokenize: bool = True
+    kv_events: bool = True  # subscribe to engines' KV events (configured or from /kv_event_sources)
+    index_max_entries: int = 4_000_000  # (engine, block) entries in the prefix index
+    history_max_blocks: int = 50_000  # per engine, for approximate prefix routing
+    history_ttl: float = 600.0
 
 
 @dataclass
@@ -60,10 +75,17 @@ class RunningRouter:
     scraper: MetricsScraper
     scrape_session: aiohttp.ClientSession
     discovery: Discovery | None = None
+    feeds: KVEventFeeds | None = None
+    prompts: PromptTokenizer | None = None
+    locator: PrefixLocator | None = None
 
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.feeds is not None:
+            await self.feeds.stop()
+        if self.prompts is not None:
+            self.prompts.close()
         await self.scraper.stop()
         await self.runner.cleanup()
         await self.session.close()
@@ -78,18 +100,37 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     )
     registry = EngineRegistry(opts.circuit)
     metrics = RouterMetrics()
-    scheduler = build_scheduler(load_routing(opts.routing))
+    kv_scheduler: Scheduler | None = None
+    if opts.routing == "auto":
+        scheduler = build_scheduler(load_routing("default"))
+        kv_scheduler = build_scheduler(load_routing("kv-aware"))
+    else:
+        scheduler = build_scheduler(load_routing(opts.routing))
+    locator = PrefixLocator(
+        PrefixIndex(opts.index_max_entries), HistoryIndex(opts.history_max_blocks, opts.history_ttl)
+    )
+    prompts = _prompt_tokenizer(opts, session, registry, metrics)
+    picker = SchedulerPicker(scheduler, kv_scheduler=kv_scheduler, prompts=prompts, locator=locator)
+    feeds = (
+        KVEventFeeds(locator, session, lambda url: _state(registry, url), observer=metrics)
+        if opts.kv_events and picker.needs_prefix
+        else None
+    )
+    # Until an engine's events are found, prefix routing knows it only from its own history.
+    registry.default_knowledge = "approximate" if picker.needs_prefix else "none"
     proxy = Proxy(session, registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
     admission = AdmissionController(opts.max_in_flight, opts.max_queue, opts.queue_timeout)
     router = RouterApp(
         opts.app,
         registry,
-        SchedulerPicker(scheduler),
+        picker,
         proxy,
         admission,
         metrics,
         session,
         expected_models=opts.expected_models,
+        extra_state=lambda state: _prefix_state(state, feeds, locator),
+        listeners=[] if feeds is None else [feeds],
     )
     app = router.app()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream request.
@@ -126,8 +167,61 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     scraper.start()
     port = sock.getsockname()[1]
     return RunningRouter(
-        f"http://{opts.host}:{port}", router, runner, session, scraper, scrape_session, opts.discovery
+        f"http://{opts.host}:{port}",
+        router,
+        runner,
+        session,
+        scraper,
+        scrape_session,
+        opts.discovery,
+        feeds,
+        prompts,
+        locator,
     )
+
+
+def _state(registry: EngineRegistry, url: str) -> EngineState | None:
+    entry = registry.get(url)
+    return None if entry is None else entry.state
+
+
+def _prompt_tokenizer(
+    opts: RouterOptions, session: aiohttp.ClientSession, registry: EngineRegistry, metrics: RouterMetrics
+) -> PromptTokenizer:
+    tokenizers = {model: load_tokenizer(path) for model, path in opts.tokenizers.items() if model != "*"}
+    default = opts.tokenizers.get("*")
+
+    def engine_for(model: str) -> str | None:
+        # Any routable engine serving the model renders it exactly as the one that will serve it.
+        for state in registry.states():
+            if state.routable and (not state.endpoint.models or model in state.endpoint.models):
+                return state.url
+        return None
+
+    return PromptTokenizer(
+        tokenizers,
+        default=None if default is None else load_tokenizer(default),
+        session=session if opts.remote_tokenize else None,
+        engine_for=engine_for if opts.remote_tokenize else None,
+        observe=metrics.tokenized,
+    )
+
+
+def _prefix_state(
+    state: EngineState, feeds: KVEventFeeds | None, locator: PrefixLocator
+) -> dict[str, object]:
+    """The /engines detail of an engine's prefix knowledge."""
+    sub = None if feeds is None else feeds.subscriber(state.url)
+    return {
+        "kv_events": None
+        if sub is None
+        else {
+            "sources": [s.endpoint for s in sub.sources],
+            "connected": sub.connected,
+            "batches": sub.batches,
+            "block_size": locator.block_size(state.url),
+        }
+    }
 
 
 def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:

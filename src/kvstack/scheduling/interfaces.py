@@ -26,6 +26,29 @@ SESSION_HEADERS: tuple[str, ...] = ("x-session-id",)
 SESSION_BODY_FIELDS: tuple[str, ...] = ("user", "session_id")
 
 
+# Tiers of cached KV, best first; index t of PrefixView.precise tuples.
+TIERS: tuple[str, ...] = ("gpu", "cpu", "disk", "remote")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixView:
+    """How much of the request's prompt each engine can serve from cache, as the router found it.
+
+    ``precise``: engine URL -> cumulative tokens per tier in TIERS order (entry t = the longest consecutive
+    prompt prefix available at tier t or better), from KV events (the engine's own blocks) and cache-tier
+    events credited to engines on the cache's node. ``approximate``: engine URL -> prompt prefix tokens
+    the router itself sent there recently (for engines that publish no events). Engines absent hold
+    nothing known. ``prompt_tokens`` is the prompt's length.
+    """
+
+    prompt_tokens: int
+    precise: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    approximate: Mapping[str, int] = field(default_factory=dict)
+
+    def any_hit(self) -> bool:
+        return any(t and t[-1] > 0 for t in self.precise.values()) or any(self.approximate.values())
+
+
 @dataclass(frozen=True, slots=True)
 class SchedulingRequest:
     """One request as scheduling sees it; the router (proxy or ext_proc) builds it from the parsed body."""
@@ -33,6 +56,7 @@ class SchedulingRequest:
     model: str
     request_id: str
     prompt_token_ids: Sequence[int] | None = None  # None when the router did not tokenize
+    prefix: PrefixView | None = None  # None when no plugin asked for prefix knowledge, or it is unknown
     session_key: str | None = None  # see extract_session_key
     headers: Mapping[str, str] = field(default_factory=dict)  # lower-cased names; only what scheduling reads
     body_fields: Mapping[str, object] = field(
@@ -106,11 +130,16 @@ class CycleState:
 
 
 class Plugin(ABC):
-    """Base of every plugin: a registered type name, an instance name, and declared parameters."""
+    """Base of every plugin: a registered type name, an instance name, and declared parameters.
+
+    ``needs_prefix``: the plugin reads ``SchedulingRequest.prefix``, so the router must tokenize the prompt
+    and look it up before scheduling (work it skips when no plugin of the config needs it).
+    """
 
     type_name: ClassVar[str]
     kind: ClassVar[str]
     params: ClassVar[tuple[Param, ...]] = ()
+    needs_prefix: ClassVar[bool] = False
 
     def __init__(self, name: str | None = None) -> None:
         self.name = name or self.type_name

@@ -13,6 +13,13 @@
   room; among the rest, queue and KV usage rank, and in-flight breaks the ties that stale scrapes leave
   (it changes with every request sent). load-aware-scorer is left out: for choosing the maximum it only
   repeats the queue signal; it earns its place next to an affinity scorer, as an absolute load brake.
+- kv-aware: the default's load signals and saturation filter, plus precise-prefix-scorer (KV events;
+  routing history for engines without events) weighted 3 and no-hit-lru-scorer weighted 1. A prompt
+  wholly cached on an engine outweighs any load difference short of saturation, which the filter
+  handles; a partial hit (a shared system prompt) competes with load; a cold prompt goes to the engine
+  least recently used, so misses spread and fill every cache.
+- prefix: kv-aware with approximate-prefix-scorer (the router's own history) instead of KV events, for
+  engines that publish none.
 """
 
 from __future__ import annotations
@@ -115,6 +122,35 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+_PREFIX_TEMPLATE = """\
+plugins:
+- type: saturation-filter
+  parameters:
+    queueThreshold: 5
+    kvUsageThreshold: 0.8
+- type: {prefix_scorer}
+- type: no-hit-lru-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: {prefix_scorer}
+    weight: 3
+  - pluginRef: no-hit-lru-scorer
+    weight: 1
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
 DEFAULT_PRESET = "default"
 
 PRESETS: Mapping[str, str] = MappingProxyType(
@@ -124,6 +160,8 @@ PRESETS: Mapping[str, str] = MappingProxyType(
         "session": _SESSION,
         "least-load": _LEAST_LOAD,
         "power-of-two": _POWER_OF_TWO,
+        "kv-aware": _PREFIX_TEMPLATE.format(prefix_scorer="precise-prefix-scorer"),
+        "prefix": _PREFIX_TEMPLATE.format(prefix_scorer="approximate-prefix-scorer"),
     }
 )
 

@@ -20,9 +20,12 @@ from kvstack.scheduling.pickers.round_robin import RoundRobinPicker
 from kvstack.scheduling.pickers.weighted_random import WeightedRandomPicker
 from kvstack.scheduling.profile_handlers.single import SingleProfileHandler
 from kvstack.scheduling.scorers.active_requests import ActiveRequestsScorer
+from kvstack.scheduling.scorers.approximate_prefix import ApproximatePrefixScorer
 from kvstack.scheduling.scorers.kv_utilization import KVCacheUtilizationScorer
 from kvstack.scheduling.scorers.least_qps import LeastQPSScorer
 from kvstack.scheduling.scorers.load_aware import LoadAwareScorer
+from kvstack.scheduling.scorers.no_hit_lru import NoHitLRUScorer
+from kvstack.scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from kvstack.scheduling.scorers.queue import QueueScorer
 from kvstack.scheduling.scorers.running import RunningRequestsScorer
 from kvstack.scheduling.scorers.session_affinity import SessionAffinityScorer
@@ -38,6 +41,9 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     ActiveRequestsScorer,
     SessionAffinityScorer,
     LeastQPSScorer,
+    PrecisePrefixScorer,
+    ApproximatePrefixScorer,
+    NoHitLRUScorer,
     MaxScorePicker,
     RandomPicker,
     WeightedRandomPicker,

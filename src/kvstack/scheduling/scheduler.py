@@ -109,6 +109,11 @@ class Scheduler:
         if problem:
             raise ValueError(problem)
         self._names = tuple(self.profiles)
+        self.needs_prefix = any(
+            plugin.needs_prefix
+            for profile in profiles
+            for plugin in (*profile.filters, *(s for s, _ in profile.scorers), profile.picker)
+        )
         self._model_filter = ModelFilter()
         self._health_filter = HealthFilter()
 

@@ -1,0 +1,300 @@
+"""The prompt token ids an engine will compute for a request, as the router needs them for prefix routing.
+
+A request names its prompt three ways, and each becomes token ids the way vLLM makes them:
+- text (``/v1/completions`` ``prompt``): encoded with ``add_special_tokens`` (default true);
+- token ids (``prompt`` as a list of ints): used as they are;
+- chat messages (``/v1/chat/completions``): the model's chat template rendered with the request's
+  ``add_generation_prompt``, ``continue_final_message``, ``chat_template``, ``chat_template_kwargs`` and
+  ``tools``, then encoded without special tokens (the template writes them).
+A batch of prompts routes by its first one; other endpoints (embeddings, responses, tokenize) are not
+tokenized.
+
+Two ways to get the ids: locally, from a tokenizer directory per model (tokenizers + the jinja2 chat
+template, see ``kvstack.engines.tokenizer``), or remotely, by asking an engine that serves the model
+(``POST /tokenize`` with the same fields), which renders with exactly the engine's own code. A local
+tokenizer wins when both are available: it costs no round trip.
+
+Results are cached in a bounded LRU (entries and total tokens) keyed by a 128-bit hash of the prompt
+fields, so a client that repeats a prompt pays once. Prompts longer than ``inline_chars`` are rendered and
+encoded on a worker thread the tokenizer owns, so a 100k-token document does not stall every other request
+on the event loop. Any failure (a template error, an engine that does not answer) gives ``None``: the
+request is routed without prefix knowledge, and the engine itself reports the user's error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import msgspec
+import xxhash
+
+from kvstack.engines.tokenizer import Tokenizer
+
+__all__ = ["ChatPrompt", "IdsPrompt", "PromptTokenizer", "TextPrompt", "TokenizerStats", "prompt_of"]
+
+log = logging.getLogger(__name__)
+_encode = msgspec.json.Encoder(order="deterministic")
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrompt:
+    text: str
+    add_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class IdsPrompt:
+    token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatPrompt:
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    add_special_tokens: bool = False
+
+    def fields(self) -> dict[str, Any]:
+        """The request fields that decide the rendering (also the remote /tokenize body, minus model)."""
+        out: dict[str, Any] = {
+            "messages": self.messages,
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+            "add_special_tokens": self.add_special_tokens,
+        }
+        if self.chat_template is not None:
+            out["chat_template"] = self.chat_template
+        if self.chat_template_kwargs:
+            out["chat_template_kwargs"] = self.chat_template_kwargs
+        if self.tools:
+            out["tools"] = self.tools
+        return out
+
+
+Prompt = TextPrompt | IdsPrompt | ChatPrompt
+
+
+def prompt_of(path: str, body: Mapping[str, Any]) -> Prompt | None:
+    """The prompt of a parsed request body, or None when the endpoint or body has none to route by."""
+    if path == "/v1/chat/completions":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return None
+        kwargs = body.get("chat_template_kwargs")
+        template = body.get("chat_template")
+        tools = body.get("tools")
+        return ChatPrompt(
+            messages=messages,
+            add_generation_prompt=body.get("add_generation_prompt", True) is not False,
+            continue_final_message=body.get("continue_final_message") is True,
+            chat_template=template if isinstance(template, str) else None,
+            chat_template_kwargs=kwargs if isinstance(kwargs, dict) else None,
+            tools=tools if isinstance(tools, list) else None,
+            add_special_tokens=body.get("add_special_tokens") is True,
+        )
+    if path != "/v1/completions":
+        return None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch: route by its first prompt
+    if isinstance(prompt, str):
+        return TextPrompt(prompt, body.get("add_special_tokens", True) is not False)
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return IdsPrompt(tuple(prompt))
+    return None
+
+
+def _cache_key(model: str, prompt: TextPrompt | ChatPrompt) -> bytes:
+    h = xxhash.xxh3_128(model.encode())
+    if isinstance(prompt, TextPrompt):
+        h.update(b"\x00t\x01" if prompt.add_special_tokens else b"\x00t\x00")
+        h.update(prompt.text.encode("utf-8", "surrogatepass"))
+    else:
+        h.update(b"\x00c")
+        h.update(_encode.encode(prompt.fields()))
+    return h.digest()
+
+
+@dataclass(slots=True)
+class TokenizerStats:
+    local: int = 0
+    remote: int = 0
+    cache_hits: int = 0
+    failures: int = 0
+    offloaded: int = 0
+    seconds: float = 0.0  # time spent producing ids (local or remote), cache hits excluded
+
+
+# An engine that serves a model: (base URL) or None when none is routable right now.
+EngineFor = Callable[[str], str | None]
+
+
+class PromptTokenizer:
+    """Prompt → token ids for routing: local tokenizers by model, else an engine's /tokenize; cached."""
+
+    def __init__(
+        self,
+        tokenizers: Mapping[str, Tokenizer] | None = None,
+        *,
+        default: Tokenizer | None = None,
+        session: aiohttp.ClientSession | None = None,
+        engine_for: EngineFor | None = None,
+        remote_timeout: float = 2.0,
+        cache_entries: int = 4096,
+        cache_tokens: int = 16_000_000,
+        inline_chars: int = 8192,
+        observe: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """``tokenizers``: model name → tokenizer (``default`` for other models); ``session`` +
+        ``engine_for`` enable remote rendering for models without a local tokenizer.
+
+        ``observe(source, seconds)`` is told the cost of each prompt (source ``local``/``remote``/``cache``).
+        """
+        self.tokenizers = dict(tokenizers or {})
+        self.default = default
+        self.session = session
+        self.engine_for = engine_for
+        self.remote_timeout = remote_timeout
+        self.cache_entries = cache_entries
+        self.cache_tokens = cache_tokens
+        self.inline_chars = inline_chars
+        self.observe = observe
+        self.stats = TokenizerStats()
+        self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
+        self._cached_tokens = 0
+        self._executor: ThreadPoolExecutor | None = None
+
+    def can_tokenize(self, model: str) -> bool:
+        return self._local_tokenizer(model) is not None or (
+            self.session is not None and self.engine_for is not None
+        )
+
+    def _local_tokenizer(self, model: str) -> Tokenizer | None:
+        return self.tokenizers.get(model, self.default)
+
+    async def token_ids(self, model: str, prompt: Prompt | None) -> tuple[int, ...] | None:
+        """The prompt's token ids, or None when they cannot be known (never raises)."""
+        if prompt is None:
+            return None
+        if isinstance(prompt, IdsPrompt):
+            return prompt.token_ids
+        key = _cache_key(model, prompt)
+        cached = self._cache.get(key)
+        if cached is not None:
+            self._cache.move_to_end(key)
+            self.stats.cache_hits += 1
+            if self.observe is not None:
+                self.observe("cache", 0.0)
+            return cached
+        started = time.perf_counter()
+        tokenizer = self._local_tokenizer(model)
+        if tokenizer is not None:
+            ids = await self._local(tokenizer, prompt)
+            source = "local"
+        else:
+            ids = await self._remote(model, prompt)
+            source = "remote"
+        elapsed = time.perf_counter() - started
+        self.stats.seconds += elapsed
+        if ids is None:
+            self.stats.failures += 1
+            return None
+        if source == "local":
+            self.stats.local += 1
+        else:
+            self.stats.remote += 1
+        if self.observe is not None:
+            self.observe(source, elapsed)
+        self._remember(key, ids)
+        return ids
+
+    def _remember(self, key: bytes, ids: tuple[int, ...]) -> None:
+        if len(ids) > self.cache_tokens:
+            return
+        self._cache[key] = ids
+        self._cached_tokens += len(ids)
+        while len(self._cache) > self.cache_entries or self._cached_tokens > self.cache_tokens:
+            _, dropped = self._cache.popitem(last=False)
+            self._cached_tokens -= len(dropped)
+
+    async def _local(self, tokenizer: Tokenizer, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...] | None:
+        size = len(prompt.text) if isinstance(prompt, TextPrompt) else _chat_size(prompt.messages)
+        try:
+            if size <= self.inline_chars:
+                return _render_and_encode(tokenizer, prompt)
+            self.stats.offloaded += 1
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstack-tokenize")
+            loop = asyncio.get_running_loop()
+            return await loop.run_in_executor(self._executor, _render_and_encode, tokenizer, prompt)
+        except Exception as exc:  # a user's template or messages can fail in many ways; the engine will say
+            log.debug("local tokenization failed: %r", exc)
+            return None
+
+    async def _remote(self, model: str, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...] | None:
+        if self.session is None or self.engine_for is None:
+            return None
+        engine = self.engine_for(model)
+        if engine is None:
+            return None
+        body: dict[str, Any] = {"model": model}
+        if isinstance(prompt, TextPrompt):
+            body.update(prompt=prompt.text, add_special_tokens=prompt.add_special_tokens)
+        else:
+            body.update(prompt.fields())
+        try:
+            timeout = aiohttp.ClientTimeout(total=self.remote_timeout)
+            async with self.session.post(f"{engine}/tokenize", json=body, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                answer = await resp.json(content_type=None)
+            tokens = answer["tokens"]
+            if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+                return None
+            return tuple(tokens)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.debug("engine %s: /tokenize failed: %r", engine, exc)
+            return None
+
+    def close(self) -> None:
+        """Join the worker thread (if one was started)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+
+def _render_and_encode(tokenizer: Tokenizer, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...]:
+    if isinstance(prompt, TextPrompt):
+        return tuple(tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
+    text = tokenizer.render_chat(
+        prompt.messages,
+        add_generation_prompt=prompt.add_generation_prompt,
+        continue_final_message=prompt.continue_final_message,
+        chat_template=prompt.chat_template,
+        chat_template_kwargs=prompt.chat_template_kwargs,
+        tools=prompt.tools,
+    )
+    return tuple(tokenizer.encode(text, add_special_tokens=prompt.add_special_tokens))
+
+
+def _chat_size(messages: Sequence[Any]) -> int:
+    size = 0
+    for message in messages:
+        if isinstance(message, dict):
+            content = message.get("content")
+            if isinstance(content, str):
+                size += len(content)
+            elif isinstance(content, list):
+                size += sum(len(p.get("text", "")) for p in content if isinstance(p, dict))
+    return size

@@ -1,0 +1,107 @@
+"""One KV-event subscriber per engine, started and stopped as engines come and go.
+
+An engine's events come from its configured endpoint (``Endpoint.kv_events_endpoint``: static config or a
+pod annotation) or, when none is configured, from what its ``/kv_event_sources`` says (asked again with
+backoff until it answers; an engine that publishes nothing is asked again at the slowest pace). Once
+sources are known the engine's routing knowledge is "kv-events". Removing an engine stops its subscriber
+and drops its index entries.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+import aiohttp
+import zmq.asyncio
+
+from kvstack.engines.kv_subscriber import EventSource, KVEventObserver, KVEventSubscriber, resolve_sources
+from kvstack.engines.state import Endpoint, EngineState
+from kvstack.router.prefix import PrefixLocator
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVEventFeeds"]
+
+
+class KVEventFeeds:
+    def __init__(
+        self,
+        locator: PrefixLocator,
+        session: aiohttp.ClientSession,
+        state_of: Callable[[str], EngineState | None],
+        *,
+        observer: KVEventObserver | None = None,
+        sources_timeout: float = 2.0,
+        resolve_backoff: tuple[float, float] = (0.5, 30.0),
+    ) -> None:
+        self.locator = locator
+        self.session = session
+        self.state_of = state_of
+        self.observer = observer
+        self.sources_timeout = sources_timeout
+        self.resolve_backoff = resolve_backoff
+        self.context = zmq.asyncio.Context()
+        self._subscribers: dict[str, tuple[str | None, KVEventSubscriber]] = {}
+        self._stopping: set[asyncio.Task[None]] = set()
+
+    def __contains__(self, url: object) -> bool:
+        return url in self._subscribers
+
+    def subscriber(self, url: str) -> KVEventSubscriber | None:
+        entry = self._subscribers.get(url)
+        return None if entry is None else entry[1]
+
+    def engine_added(self, endpoint: Endpoint) -> None:
+        """Subscribe to a new engine, or resubscribe when its configured endpoint changed."""
+        url = endpoint.url
+        existing = self._subscribers.get(url)
+        if existing is not None:
+            if existing[0] == endpoint.kv_events_endpoint:
+                return
+            self.engine_removed(url)
+        configured = endpoint.kv_events_endpoint
+        sub = KVEventSubscriber(
+            url,
+            self.locator,
+            context=self.context,
+            sources=[EventSource(configured)] if configured else (),
+            fetch_sources=None if configured else lambda: self._fetch_sources(url),
+            observer=self.observer,
+            resolve_backoff=self.resolve_backoff,
+        )
+        self._subscribers[url] = (configured, sub)
+        if configured:
+            self._mark(url)
+        sub.start()
+
+    def engine_removed(self, url: str) -> None:
+        entry = self._subscribers.pop(url, None)
+        if entry is not None:
+            task = asyncio.get_running_loop().create_task(entry[1].stop())
+            self._stopping.add(task)
+            task.add_done_callback(self._stopping.discard)
+        self.locator.forget(url)
+
+    async def _fetch_sources(self, url: str) -> list[EventSource]:
+        timeout = aiohttp.ClientTimeout(total=self.sources_timeout)
+        async with self.session.get(f"{url}/kv_event_sources", timeout=timeout) as resp:
+            if resp.status == 404:
+                return []  # an engine without the endpoint (not vLLM, or older): no events
+            resp.raise_for_status()
+            sources = resolve_sources(url, await resp.json(content_type=None))
+        if sources:
+            self._mark(url)
+        return sources
+
+    def _mark(self, url: str) -> None:
+        state = self.state_of(url)
+        if state is not None:
+            state.knowledge = "kv-events"
+
+    async def stop(self) -> None:
+        for url in list(self._subscribers):
+            self.engine_removed(url)
+        await asyncio.gather(*self._stopping)
+        self.context.destroy(linger=0)
