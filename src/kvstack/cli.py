@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from kvstack import __version__
+from kvstack.bench.cli import add_bench_parser
+from kvstack.bench.cli import run_bench as run_bench_command
 
 
 def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -222,8 +224,35 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     g = p.add_argument_group("routing")
     g.add_argument(
         "--routing",
-        default="default",
-        help="preset (default, round-robin, session, least-load, power-of-two) or a YAML config file",
+        default="auto",
+        help="auto (kv-aware while some engine publishes KV events, else default), a preset (default, "
+        "kv-aware, prefix, round-robin, session, least-load, power-of-two) or a YAML config file",
+    )
+    g.add_argument(
+        "--tokenizer",
+        action="append",
+        default=[],
+        metavar="[MODEL=]DIR",
+        help="local tokenizer directory for prefix routing (for MODEL, or every model); models without "
+        "one are tokenized by an engine's /tokenize",
+    )
+    g.add_argument(
+        "--no-remote-tokenize",
+        dest="remote_tokenize",
+        action="store_false",
+        help="never ask engines to tokenize (prompts of models without --tokenizer route without prefix)",
+    )
+    g.add_argument(
+        "--no-kv-events",
+        dest="kv_events",
+        action="store_false",
+        help="do not subscribe to engines' KV events (prefix routing then uses the router's history)",
+    )
+    g.add_argument(
+        "--index-max-entries",
+        type=int,
+        default=4_000_000,
+        help="bound of the prefix index in (engine, block) entries; LRU beyond it",
     )
     g = p.add_argument_group("timeouts, retries, circuit breaker, admission")
     g.add_argument("--timeout-connect", type=float, default=5.0)
@@ -261,7 +290,9 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
 
     try:
         engines = [parse_engine_spec(spec) for spec in args.engine]
-        load_routing(args.routing)  # fail fast on a bad preset or config file
+        if args.routing != "auto":
+            load_routing(args.routing)  # fail fast on a bad preset or config file
+        tokenizers = _tokenizer_dirs(args.tokenizer)
     except (ValueError, ConfigError) as exc:
         print(f"kvstack router: {exc}", file=sys.stderr)
         return 2
@@ -299,6 +330,10 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
         queue_timeout=args.queue_timeout,
         expected_models=frozenset(args.model),
         reuse_port=args.reuse_port or args.workers > 1,
+        tokenizers=tokenizers,
+        remote_tokenize=args.remote_tokenize,
+        kv_events=args.kv_events,
+        index_max_entries=args.index_max_entries,
     )
     if args.workers < 1:
         print("kvstack router: --workers must be at least 1", file=sys.stderr)
@@ -318,6 +353,19 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
+
+
+def _tokenizer_dirs(values: list[str]) -> dict[str, str]:
+    """``--tokenizer`` values as {model: dir}; a bare DIR is for every model ("*")."""
+    out: dict[str, str] = {}
+    for value in values:
+        model, sep, directory = value.partition("=")
+        if not sep:
+            model, directory = "*", value
+        if not (Path(directory) / "tokenizer.json").is_file():
+            raise ValueError(f"--tokenizer {value}: {directory} has no tokenizer.json")
+        out[model] = directory
+    return out
 
 
 def _kubernetes_discovery(args: argparse.Namespace) -> Any:
@@ -360,7 +408,7 @@ def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
         "--model", default=None, help="model directory for the engines' tokenizer (default built-in)"
     )
     p.add_argument("--served-model-name", default="kvstack-sim")
-    p.add_argument("--routing", default="default")
+    p.add_argument("--routing", default="auto")
     p.add_argument("--time-scale", type=float, default=1.0)
     p.add_argument("--log-level", default="warning")
 
@@ -389,7 +437,10 @@ def _run_up(args: argparse.Namespace) -> int:
         engines = [await start_engine(sim, tokenizer, sampler, i) for i in range(args.engines)]
         try:
             opts = RouterOptions(
-                port=args.port, engines=[Endpoint(e.url) for e in engines], routing=args.routing
+                port=args.port,
+                engines=[Endpoint(e.url) for e in engines],
+                routing=args.routing,
+                tokenizers={"*": args.model} if args.model else {},
             )
             async with running_router(opts) as router:
                 print(f"kvstack: {len(engines)} simulated engine(s) serving {name!r} behind the router")
@@ -416,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_parser(sub)
     _add_router_parser(sub)
     _add_up_parser(sub)
+    add_bench_parser(sub)
     model = sub.add_parser("model", help="model directories for tests and benchmarks")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("make-tiny", help="write a dummy-weight model directory (no network)")
@@ -434,6 +486,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "model":
         return _run_model(args)
+    if args.command == "bench":
+        return run_bench_command(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     if args.command == "router":
         return _run_router(args, list(sys.argv[1:] if argv is None else argv))

@@ -22,6 +22,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvstack.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstack.engines.state import EngineState
@@ -32,7 +33,7 @@ from kvstack.scheduling.interfaces import PrefixView
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PrefixLocator", "PrefixLookup"]
+__all__ = ["PrefixLocator", "PrefixLookup", "PrefixSource"]
 
 
 @dataclass(slots=True)
@@ -51,6 +52,17 @@ class PrefixLookup:
 
     view: PrefixView
     history_keys: list[int]
+
+
+class PrefixSource(Protocol):
+    """Where a request's prefix view comes from: the locator below, or (in experiments) an oracle that
+    asks the engines themselves."""
+
+    async def find(
+        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float
+    ) -> PrefixLookup: ...
+
+    def record(self, engine: str, lookup: PrefixLookup, now: float | None = None) -> None: ...
 
 
 class PrefixLocator:
@@ -150,6 +162,11 @@ class PrefixLocator:
                 if url in urls:
                     approximate[url] = blocks * step
         return PrefixLookup(PrefixView(len(token_ids), precise, approximate), history_keys)
+
+    async def find(
+        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float
+    ) -> PrefixLookup:
+        return self.lookup(token_ids, candidates, now)
 
     def record(self, engine: str, lookup: PrefixLookup, now: float | None = None) -> None:
         """Remember that the prompt went to ``engine`` (the history behind approximate scoring)."""

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from kvstack.engines.prompt_tokens import PromptTokenizer, prompt_of
 from kvstack.engines.state import EngineState
 from kvstack.openai import errors
-from kvstack.router.prefix import PrefixLocator, PrefixLookup
+from kvstack.router.prefix import PrefixLookup, PrefixSource
 from kvstack.scheduling import NoEndpointError, NoEndpointReason, Scheduler, SchedulingRequest
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ class SchedulerPicker:
         *,
         kv_scheduler: Scheduler | None = None,
         prompts: PromptTokenizer | None = None,
-        locator: PrefixLocator | None = None,
+        locator: PrefixSource | None = None,
     ) -> None:
         self.scheduler = scheduler
         self.kv_scheduler = kv_scheduler
@@ -62,7 +62,7 @@ class SchedulerPicker:
         if scheduler.needs_prefix and self.prompts is not None and self.locator is not None:
             token_ids = await self.prompts.token_ids(model, prompt_of(route.path, route.body))
             if token_ids is not None:
-                lookup = self.locator.lookup(token_ids, states, now)
+                lookup = await self.locator.find(token_ids, states, now)
         request = SchedulingRequest(
             model=model,
             request_id=route.request_id,

@@ -26,7 +26,7 @@ from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.circuit import CircuitConfig
 from kvstack.router.kv_feeds import KVEventFeeds
 from kvstack.router.metrics import RouterMetrics
-from kvstack.router.prefix import PrefixLocator
+from kvstack.router.prefix import PrefixLocator, PrefixSource
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.routing import SchedulerPicker
@@ -64,6 +64,8 @@ class RouterOptions:
     index_max_entries: int = 4_000_000  # (engine, block) entries in the prefix index
     history_max_blocks: int = 50_000  # per engine, for approximate prefix routing
     history_ttl: float = 600.0
+    # Replaces the index-and-history locator as the source of prefix views (experiments: an oracle).
+    prefix_source: PrefixSource | None = None
 
 
 @dataclass
@@ -110,7 +112,9 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         PrefixIndex(opts.index_max_entries), HistoryIndex(opts.history_max_blocks, opts.history_ttl)
     )
     prompts = _prompt_tokenizer(opts, session, registry, metrics)
-    picker = SchedulerPicker(scheduler, kv_scheduler=kv_scheduler, prompts=prompts, locator=locator)
+    picker = SchedulerPicker(
+        scheduler, kv_scheduler=kv_scheduler, prompts=prompts, locator=opts.prefix_source or locator
+    )
     feeds = (
         KVEventFeeds(locator, session, lambda url: _state(registry, url), observer=metrics)
         if opts.kv_events and picker.needs_prefix
@@ -214,7 +218,7 @@ def _prefix_state(
     sub = None if feeds is None else feeds.subscriber(state.url)
     return {
         "kv_events": None
-        if sub is None
+        if sub is None or not sub.sources  # no events known (yet)
         else {
             "sources": [s.endpoint for s in sub.sources],
             "connected": sub.connected,

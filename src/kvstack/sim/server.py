@@ -2,8 +2,9 @@
 
 Routes: /v1/completions, /v1/chat/completions (stream and non-stream), /v1/models, /health,
 /tokenize, /detokenize, /v1/completions/render, /v1/chat/completions/render, /metrics,
-/kv_event_sources, /reset_prefix_cache, and /admin/faults (GET to read, POST to change, DELETE
-to clear) for fault injection at runtime.
+/kv_event_sources, /reset_prefix_cache, /admin/faults (GET to read, POST to change, DELETE
+to clear) for fault injection at runtime, and /admin/prefix_match (cached tokens of a prompt, for
+experiments that compare a router against perfect knowledge).
 """
 
 from __future__ import annotations
@@ -111,6 +112,7 @@ class SimServer:
         r.add_post("/kv_transfer/release", self.kv_release)
         r.add_get("/admin/faults", self.get_faults)
         r.add_post("/admin/faults", self.set_faults)
+        r.add_post("/admin/prefix_match", self.prefix_match)
         r.add_delete("/admin/faults", self.clear_faults)
         app.on_startup.append(self._on_startup)
         app.on_cleanup.append(self._on_cleanup)
@@ -153,6 +155,20 @@ class SimServer:
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         # Like vLLM: refused (success false) while running requests hold blocks; callers retry.
         return json_response({"success": self.engine.reset_prefix_cache()})
+
+    async def prefix_match(self, request: web.Request) -> web.Response:
+        """How many of ``token_ids`` a request would find cached now (the "oracle" view for experiments:
+        the engine's true cache state, read without touching it). vLLM has no such endpoint."""
+        try:
+            body = msgspec.json.decode(await request.read())
+            ids = body["token_ids"]
+            if not isinstance(ids, list) or not all(type(t) is int for t in ids):
+                raise TypeError("token_ids must be a list of integers")
+        except (msgspec.DecodeError, KeyError, TypeError) as exc:
+            raise errors.bad_request(f"body must be {{'token_ids': [int, ...]}}: {exc}") from None
+        kv = self.engine.kv
+        hit = kv.longest_cached_prefix(kv.block_hashes(ids), len(ids) - 1)
+        return json_response({"cached_tokens": len(hit) * kv.block_size, "block_size": kv.block_size})
 
     async def get_faults(self, request: web.Request) -> web.Response:
         return json_response(self.faults.as_json())

@@ -1,0 +1,174 @@
+"""The approximate prefix index: what the router itself sent where, for engines that publish no KV events.
+
+After routing a prompt, the router ``record``s its block keys (``BlockKeyer``, the same keys as the exact
+index) for the chosen location; ``lookup`` then answers, per location, how many consecutive blocks from block
+0 were sent there recently. It is a guess at the engine's prefix cache, so it forgets on its own:
+
+- ``ttl_s`` (default 600 s): an entry older than this never matches. Expired entries are purged on every
+  ``record``/``lookup``/``purge`` from the front of each location's recency order, each entry once, so the
+  purge is O(1) amortized.
+- ``max_blocks_per_location`` (default 50,000, roughly a GPU's prefix cache at block size 16): past it a
+  location's least recently sent blocks are dropped; a prompt's blocks are recorded last block first, so a
+  chain is dropped from its tail.
+
+Time is passed in (``now``, seconds, non-decreasing: ``time.monotonic()`` in the router), never read here.
+Structures: block key -> location bitmask, and per location an ``OrderedDict`` key -> time sent in recency
+order. ``lookup`` is O(prompt blocks up to the longest match) like ``PrefixIndex.lookup``; ``forget`` is
+O(that location's blocks). Memory: about 150 bytes per (location, block) entry.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstack.index.bits import BitAllocator, one_bits
+
+__all__ = ["HistoryIndex", "HistoryStats"]
+
+
+@dataclass(frozen=True, slots=True)
+class HistoryStats:
+    entries: int  # (location, block) pairs
+    blocks: int
+    locations: int
+    evicted: int  # dropped by the per-location bound
+    expired: int  # dropped by the TTL
+
+
+class _Sent:
+    __slots__ = ("bit", "name", "sent")
+
+    def __init__(self, name: str, bit: int) -> None:
+        self.name = name
+        self.bit = bit
+        self.sent: OrderedDict[int, float] = OrderedDict()  # key -> time sent, oldest first
+
+
+class HistoryIndex:
+    """Recently routed blocks per location, bounded per location and by age."""
+
+    def __init__(self, max_blocks_per_location: int = 50_000, ttl_s: float = 600.0) -> None:
+        if max_blocks_per_location < 1:
+            raise ValueError(f"max_blocks_per_location must be >= 1, got {max_blocks_per_location}")
+        if not ttl_s > 0:
+            raise ValueError(f"ttl_s must be > 0, got {ttl_s}")
+        self.max_blocks_per_location = max_blocks_per_location
+        self.ttl_s = ttl_s
+        self._masks: dict[int, int] = {}  # block key -> bitmask of locations it was sent to
+        self._locations: dict[str, _Sent] = {}
+        self._by_bit: dict[int, _Sent] = {}
+        self._bits = BitAllocator()
+        self._entries = 0
+        self._evicted = 0
+        self._expired = 0
+
+    def record(self, location: str, keys: Sequence[int], now: float) -> None:
+        """Remember that the blocks ``keys`` were sent to ``location`` at ``now``."""
+        self.purge(now)
+        if not keys:
+            return
+        loc = self._locations.get(location)
+        if loc is None:
+            loc = self._new_location(location)
+        bit, sent, masks = loc.bit, loc.sent, self._masks
+        for i in range(len(keys) - 1, -1, -1):  # block 0 last: the most recent, dropped last
+            key = keys[i]
+            if key in sent:
+                sent.move_to_end(key)
+            else:
+                masks[key] = masks.get(key, 0) | bit
+                self._entries += 1
+            sent[key] = now
+        while len(sent) > self.max_blocks_per_location:
+            key, _ = sent.popitem(last=False)
+            self._unmask(key, bit)
+            self._evicted += 1
+
+    def lookup(self, keys: Sequence[int], now: float) -> dict[str, int]:
+        """Per location sent block 0 within the TTL, how many consecutive blocks of ``keys`` it was sent."""
+        self.purge(now)
+        if not keys:
+            return {}
+        get = self._masks.get
+        alive = start = get(keys[0], 0)
+        if not alive:
+            return {}
+        lengths: dict[int, int] = {}  # location bit -> consecutive blocks
+        for i in range(1, len(keys)):
+            m = alive & get(keys[i], 0)
+            if m != alive:
+                for b in one_bits(alive ^ m):
+                    lengths[b] = i
+                alive = m
+                if not m:
+                    break
+        for b in one_bits(alive):
+            lengths[b] = len(keys)
+        out: dict[str, int] = {}
+        for b in one_bits(start):
+            out[self._by_bit[b].name] = lengths[b]
+        return out
+
+    def forget(self, location: str) -> int:
+        """Drop everything recorded for ``location`` (it restarted or left); returns the entries dropped."""
+        loc = self._locations.get(location)
+        if loc is None:
+            return 0
+        for key in loc.sent:
+            self._unmask(key, loc.bit)
+        dropped = len(loc.sent)
+        loc.sent.clear()
+        self._release(loc)
+        return dropped
+
+    def purge(self, now: float) -> int:
+        """Drop entries older than ``ttl_s``; returns how many. Called by ``record`` and ``lookup`` too."""
+        oldest_kept = now - self.ttl_s
+        purged = 0
+        for loc in list(self._locations.values()):
+            sent = loc.sent
+            while sent:
+                key = next(iter(sent))
+                if sent[key] > oldest_kept:
+                    break
+                del sent[key]
+                self._unmask(key, loc.bit)
+                purged += 1
+            if not sent:
+                self._release(loc)
+        self._expired += purged
+        return purged
+
+    def locations(self) -> list[str]:
+        """Locations with at least one block recorded within the TTL (as of the last call)."""
+        return list(self._locations)
+
+    def stats(self) -> HistoryStats:
+        return HistoryStats(
+            entries=self._entries,
+            blocks=len(self._masks),
+            locations=len(self._locations),
+            evicted=self._evicted,
+            expired=self._expired,
+        )
+
+    def _new_location(self, name: str) -> _Sent:
+        loc = _Sent(name, self._bits.take())
+        self._by_bit[loc.bit] = loc
+        self._locations[name] = loc
+        return loc
+
+    def _release(self, loc: _Sent) -> None:
+        del self._locations[loc.name]
+        del self._by_bit[loc.bit]
+        self._bits.give(loc.bit)
+
+    def _unmask(self, key: int, bit: int) -> None:
+        mask = self._masks[key] & ~bit
+        if mask:
+            self._masks[key] = mask
+        else:
+            del self._masks[key]
+        self._entries -= 1
