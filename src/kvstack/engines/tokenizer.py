@@ -329,6 +329,10 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
+# Above this many characters HFTokenizer.encode uses the GIL-releasing batch call (it costs a little more).
+_GIL_FREE_CHARS = 4096
+
+
 class HFTokenizer:
     """A Hugging Face tokenizer directory, read with the `tokenizers` library (no transformers needed)."""
 
@@ -422,8 +426,15 @@ class HFTokenizer:
         )
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS), as in HF."""
-        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        """Token ids of `text`; `add_special_tokens` applies the post-processor (e.g. a BOS), as in HF.
+
+        Long texts go through the batch call: it releases the GIL while it works (the single call does
+        not), so a caller that encodes on a worker thread leaves the event loop running.
+        """
+        if len(text) < _GIL_FREE_CHARS:
+            return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+        batch = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+        return list(batch[0].ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; invalid UTF-8 from partial byte tokens comes out as U+FFFD."""
