@@ -21,21 +21,43 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from machine_info import machine  # noqa: E402
+from machine_info import machine
 
-from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer  # noqa: E402
-from kvstack.engines.state import Endpoint, EngineState  # noqa: E402
-from kvstack.engines.tiny_model import make_tiny_model  # noqa: E402
-from kvstack.engines.tokenizer import load_tokenizer  # noqa: E402
-from kvstack.index.prefix_index import Tier  # noqa: E402
-from kvstack.router.prefix import PrefixLocator  # noqa: E402
-from kvstack.sim.cluster import SimOptions, start_engine, stop_engine  # noqa: E402
-from kvstack.sim.engine import EngineConfig  # noqa: E402
-from kvstack.sim.textgen import OutputSampler  # noqa: E402
+from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer
+from kvstack.engines.state import Endpoint, EngineState
+from kvstack.engines.tiny_model import make_tiny_model
+from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.index.prefix_index import Tier
+from kvstack.router.prefix import PrefixLocator
+from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
+from kvstack.sim.engine import EngineConfig
+from kvstack.sim.textgen import OutputSampler
 
 REPO = Path(__file__).resolve().parents[1]
+PATHS = {
+    "local": "local render+encode",
+    "cached": "render cache hit",
+    "remote": "engine /tokenize",
+    "lookup": "keys + index lookup (8 engines, block 16)",
+}
 MODEL = "tiny"
-WORDS = "the router keeps every engine busy while sending each prompt where its prefix already lives".split()
+WORDS = [
+    "the",
+    "router",
+    "keeps",
+    "every",
+    "engine",
+    "busy",
+    "while",
+    "sending",
+    "each",
+    "prompt",
+    "where",
+    "its",
+    "prefix",
+    "already",
+    "lives",
+]
 
 
 def chat_of(n_words: int, salt: int) -> ChatPrompt:
@@ -45,7 +67,7 @@ def chat_of(n_words: int, salt: int) -> ChatPrompt:
 
 def pct(values: list[float], p: float) -> float:
     values = sorted(values)
-    return values[min(len(values) - 1, int(round(p / 100 * (len(values) - 1))))]
+    return values[min(len(values) - 1, round(p / 100 * (len(values) - 1)))]
 
 
 async def loop_stall_probe(stop: asyncio.Event, stalls: list[float]) -> None:
@@ -111,7 +133,7 @@ async def main() -> None:
                         for s in states[:4]:
                             keys = locator.keyer("", 16).keys(ids)
                             locator.index.store(s.url, keys, Tier.GPU)
-                            locator._block_sizes[s.url] = 16  # noqa: SLF001 - as events would set it
+                            locator._block_sizes[s.url] = 16
                     t4 = time.perf_counter()
                     locator.lookup(ids, states)
                     t5 = time.perf_counter()
@@ -124,8 +146,7 @@ async def main() -> None:
                     table.add_row(
                         str(n_words),
                         str(len(tokens)),
-                        {"local": "local render+encode", "cached": "render cache hit",
-                         "remote": "engine /tokenize", "lookup": "keys + index lookup (8 engines, block 16)"}[path],
+                        PATHS[path],
                         f"{statistics.median(values) * 1e3:.3f}",
                         f"{pct(values, 99) * 1e3:.3f}",
                     )  # fmt: skip
