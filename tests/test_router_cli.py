@@ -53,7 +53,7 @@ def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
                 assert time.monotonic() < deadline, "router never answered"
                 time.sleep(0.2)
         workers = _children(router.pid)
-        assert len(workers) == 1  # the parent serves too
+        assert len(workers) == 2  # the parent supervises
         body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
         for _ in range(20):
             req = urllib.request.Request(

@@ -11,9 +11,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,8 +206,8 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         "--workers",
         type=int,
         default=1,
-        help="router processes sharing the port (SO_REUSEPORT); each keeps its own engine state, breakers "
-        "and admission limits, and admin calls reach only the process that receives them",
+        help="router processes sharing the port (SO_REUSEPORT); they share admin changes, circuit "
+        "breaker trips, in-flight counts and /metrics; admission limits are divided between them",
     )
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     g = p.add_argument_group("engines (discovery)")
@@ -278,8 +280,6 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
 
 
 def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
-    import os
-
     from kvstack.engines.discovery import FileDiscovery, parse_engine_spec
     from kvstack.router.app import RouterConfig
     from kvstack.router.circuit import CircuitConfig
@@ -338,21 +338,62 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
     if args.workers < 1:
         print("kvstack router: --workers must be at least 1", file=sys.stderr)
         return 2
-    # Extra workers are this command again with one worker each; the last --workers/--reuse-port wins.
-    children = [
-        subprocess.Popen([sys.executable, "-m", "kvstack.cli", *argv, "--workers", "1", "--reuse-port"])
-        for _ in range(args.workers - 1)
-    ]
+    if args.workers > 1:
+        return _supervise(argv, args.workers)
+    from kvstack.router.workers import WorkerGroupConfig
+
+    opts.group = WorkerGroupConfig.from_env()
+    return _serve(serve_forever(opts))
+
+
+def _supervise(argv: list[str], workers: int) -> int:
+    """Run ``workers`` router processes on one port and stop them together (kvstack.router.workers)."""
+    import shutil
+    import tempfile
+
+    from kvstack.router import workers as group
+
+    directory = Path(tempfile.mkdtemp(prefix="kvstack-router-"))
+    group.prepare_group_directory(directory, workers)
+    env = dict(os.environ)
+    env.update(
+        {
+            "PROMETHEUS_MULTIPROC_DIR": str(directory / group.METRICS_SUBDIR),
+            group.ENV_DIR: str(directory),
+            group.ENV_COUNT: str(workers),
+        }
+    )
+    stopping: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    # Each worker is this command again with one worker; the last --workers/--reuse-port wins.
+    command = [sys.executable, "-m", "kvstack.cli", *argv, "--workers", "1", "--reuse-port"]
+    children = [subprocess.Popen(command, env={**env, group.ENV_INDEX: str(i)}) for i in range(workers)]
+    code = 0
     try:
-        return _serve(serve_forever(opts))
+        while not stopping:
+            exited = [c for c in children if c.poll() is not None]
+            if exited:
+                code = exited[0].returncode or 1
+                print(f"kvstack router: worker {exited[0].pid} exited ({code}); stopping", file=sys.stderr)
+                break
+            time.sleep(0.2)
     finally:
         for child in children:
-            child.terminate()
+            if child.poll() is None:
+                child.terminate()
         for child in children:
             try:
                 child.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 child.kill()
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        shutil.rmtree(directory, ignore_errors=True)
+    return code
 
 
 def _tokenizer_dirs(values: list[str]) -> dict[str, str]:

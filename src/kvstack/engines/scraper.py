@@ -249,7 +249,7 @@ class MetricsScraper:
         state.metrics = MetricsReading(reading.signals, now, reading.missing, reading.aliases_used)
         state.metrics_stale = False
         state.healthy = True
-        state.in_flight_at_scrape = state.in_flight
+        state.in_flight_at_scrape = state.total_in_flight
         track = self._tracks.get(url)
         if track is None:  # the engine left while it was being scraped
             return

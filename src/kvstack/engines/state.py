@@ -76,14 +76,20 @@ class EngineState:
     healthy: bool = True  # last health check / scrape reached the engine
     draining: bool = False  # admin asked to stop sending new requests
     circuit: CircuitState = CircuitState.CLOSED
-    in_flight: int = 0  # requests the router has sent and not finished
-    in_flight_at_scrape: int = 0  # ``in_flight`` when the latest good scrape arrived
+    in_flight: int = 0  # requests this router process has sent and not finished
+    in_flight_peers: int = 0  # the same, summed over the other worker processes of the router
+    in_flight_at_scrape: int = 0  # ``total_in_flight`` when the latest good scrape arrived
     recent_requests: list[float] = field(default_factory=list)  # monotonic send times, bounded by the owner
     knowledge: str = "none"  # where routing knowledge comes from: "kv-events", "approximate", "none"
 
     @property
     def url(self) -> str:
         return self.endpoint.url
+
+    @property
+    def total_in_flight(self) -> int:
+        """Requests the whole router (every worker process) has sent to the engine and not finished."""
+        return self.in_flight + self.in_flight_peers
 
     def signals(self) -> LoadSignals | None:
         """Fresh load signals, or None when unknown (no scrape, or stale)."""
@@ -99,7 +105,7 @@ class EngineState:
         signals = self.signals()
         if signals is None or signals.queue is None:
             return None
-        return signals.queue + max(0, self.in_flight - self.in_flight_at_scrape)
+        return signals.queue + max(0, self.total_in_flight - self.in_flight_at_scrape)
 
     @property
     def routable(self) -> bool:

@@ -36,6 +36,7 @@ from kvstack.router.admission import AdmissionController, AdmissionRejected
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
+from kvstack.router.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ PROXIED_PATHS = (
     "/detokenize",
 )
 SESSION_HEADER = "x-session-id"
+WORKER_HEADER = "x-kvstack-worker"
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +107,7 @@ class RouterApp:
         expected_models: frozenset[str] = frozenset(),
         extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
         listeners: Sequence[EngineListener] = (),
+        group: WorkerGroup | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -116,13 +119,18 @@ class RouterApp:
         self.expected_models = expected_models
         self.extra_state = extra_state
         self.listeners = tuple(listeners)
+        self.group = group
+        if group is not None:
+            for op in ("add", "remove", "drain", "undrain", "circuit-open"):
+                group.on(op, self.apply_internal)
         self._model_tasks: dict[str, asyncio.Task[None]] = {}
 
     # -- app ------------------------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(
-            client_max_size=self.config.max_body_bytes, middlewares=[self._errors, self._auth]
-        )
+        middlewares: list[Any] = [self._errors, self._auth]
+        if self.group is not None:
+            middlewares.insert(0, self._worker_header)
+        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=middlewares)
         r = app.router
         for path in PROXIED_PATHS:
             r.add_post(path, self.proxied)
@@ -163,6 +171,14 @@ class RouterApp:
                 raise
             http_error = OpenAIError(exc.status, exc.reason, exc.reason)
             return json_response(http_error.body(), status=exc.status)
+
+    @web.middleware
+    async def _worker_header(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        # Which router process answered (several share the port); set before a stream's headers go out.
+        response = await handler(request)
+        if not response.prepared:
+            response.headers[WORKER_HEADER] = str(self.group.index if self.group else 0)
+        return response
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -231,7 +247,10 @@ class RouterApp:
 
     # -- handlers ----------------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return json_response({"status": "ok"})
+        body: dict[str, Any] = {"status": "ok"}
+        if self.group is not None:
+            body["worker"] = {"index": self.group.index, "count": self.group.count}
+        return json_response(body)
 
     async def ready(self, request: web.Request) -> web.Response:
         states = self.registry.states()
@@ -275,7 +294,8 @@ class RouterApp:
                 "healthy": s.healthy,
                 "draining": s.draining,
                 "circuit": s.circuit.value,
-                "in_flight": s.in_flight,
+                "in_flight": s.total_in_flight,
+                "in_flight_this_worker": s.in_flight,
                 "metrics": None
                 if reading is None
                 else {
@@ -292,51 +312,62 @@ class RouterApp:
             if self.extra_state is not None:
                 item.update(self.extra_state(s))
             out.append(item)
-        return json_response({"engines": out})
+        body: dict[str, Any] = {"engines": out}
+        if self.group is not None:
+            body["worker"] = {"index": self.group.index, "count": self.group.count}
+        return json_response(body)
 
     async def admin_add(self, request: web.Request) -> web.Response:
         body = await _json_object(request)
-        url = body.get("url")
-        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-            raise errors.bad_request("body needs 'url': an http(s) base URL of an engine", "url")
-        try:
-            role = EngineRole(body.get("role", "both"))
-        except ValueError:
-            raise errors.bad_request(f"role must be one of {[r.value for r in EngineRole]}", "role") from None
-        models = body.get("models") or []
-        if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-            raise errors.bad_request("models must be a list of strings", "models")
-        endpoint = Endpoint(
-            url=url.rstrip("/"),
-            engine_type=str(body.get("type", "vllm")),
-            role=role,
-            models=frozenset(models),
-            node=body.get("node"),
-            kv_events_endpoint=body.get("kv_events_endpoint"),
-        )
-        self.add_engine(endpoint)
-        return json_response({"added": endpoint.url})
+        self._apply_admin("add", body)
+        return json_response({"added": str(body["url"]).rstrip("/"), **await self._broadcast("add", body)})
 
     async def admin_remove(self, request: web.Request) -> web.Response:
-        url = request.query.get("url", "").rstrip("/")
-        if not self.remove_engine(url):
-            raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
-        return json_response({"removed": url})
+        body = {"url": request.query.get("url", "")}
+        self._apply_admin("remove", body)
+        return json_response({"removed": body["url"].rstrip("/"), **await self._broadcast("remove", body)})
 
     async def admin_drain(self, request: web.Request) -> web.Response:
-        return await self._set_draining(request, True)
+        return await self._set_draining(request, "drain")
 
     async def admin_undrain(self, request: web.Request) -> web.Response:
-        return await self._set_draining(request, False)
+        return await self._set_draining(request, "undrain")
 
-    async def _set_draining(self, request: web.Request, draining: bool) -> web.Response:
+    async def _set_draining(self, request: web.Request, op: str) -> web.Response:
         body = await _json_object(request)
+        self._apply_admin(op, body)
         url = str(body.get("url", "")).rstrip("/")
-        if not self.registry.set_draining(url, draining):
-            raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
         entry = self.registry.get(url)
-        in_flight = entry.state.in_flight if entry else 0
-        return json_response({"url": url, "draining": draining, "in_flight": in_flight})
+        in_flight = entry.state.total_in_flight if entry else 0
+        spread = await self._broadcast(op, body)
+        return json_response({"url": url, "draining": op == "drain", "in_flight": in_flight, **spread})
+
+    async def _broadcast(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Pass an admin change on to the other worker processes; say how many processes hold it."""
+        if self.group is None:
+            return {}
+        applied = await self.group.broadcast(op, body)
+        return {"workers": self.group.count, "applied_by_workers": applied + 1}
+
+    def apply_internal(self, op: str, body: dict[str, Any]) -> None:
+        """A sibling worker's change (see kvstack.router.workers)."""
+        if op == "circuit-open":
+            entry = self.registry.get(str(body.get("url")))
+            if entry is not None:
+                entry.breaker.force_open(float(body.get("seconds", 0.0)))
+                self.metrics.set_circuit(entry.state.url, entry.breaker.state)
+            return
+        self._apply_admin(op, body)
+
+    def _apply_admin(self, op: str, body: dict[str, Any]) -> None:
+        """Apply an admin change to this process; raises OpenAIError (400/404) for a bad one."""
+        if op == "add":
+            self.add_engine(_endpoint_of(body))
+            return
+        url = str(body.get("url", "")).rstrip("/")
+        found = self.remove_engine(url) if op == "remove" else self.registry.set_draining(url, op == "drain")
+        if not found:
+            raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 
     async def proxied(self, request: web.Request) -> web.StreamResponse:
         started = time.monotonic()
@@ -406,6 +437,28 @@ class RouterApp:
     async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
         # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
         return await self.picker.pick(route, self.registry.states())
+
+
+def _endpoint_of(body: dict[str, Any]) -> Endpoint:
+    """The engine an admin "add" body describes; 400 naming the bad field."""
+    url = body.get("url")
+    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+        raise errors.bad_request("body needs 'url': an http(s) base URL of an engine", "url")
+    try:
+        role = EngineRole(body.get("role", "both"))
+    except ValueError:
+        raise errors.bad_request(f"role must be one of {[r.value for r in EngineRole]}", "role") from None
+    models = body.get("models") or []
+    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
+        raise errors.bad_request("models must be a list of strings", "models")
+    return Endpoint(
+        url=url.rstrip("/"),
+        engine_type=str(body.get("type", "vllm")),
+        role=role,
+        models=frozenset(models),
+        node=body.get("node"),
+        kv_events_endpoint=body.get("kv_events_endpoint"),
+    )
 
 
 def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:

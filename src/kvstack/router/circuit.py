@@ -36,6 +36,7 @@ class CircuitBreaker:
         self._opened_at = 0.0
         self._open_for = self.config.open_seconds
         self._probe_in_flight = False
+        self.on_open: Callable[[float], None] | None = None  # told the open time when this breaker trips
 
     @property
     def state(self) -> CircuitState:
@@ -73,8 +74,15 @@ class CircuitBreaker:
         """A probe ended without an outcome (for example the client went away): let another through."""
         self._probe_in_flight = False
 
-    def _open(self, seconds: float) -> None:
+    def force_open(self, seconds: float) -> None:
+        """Open because another router process's breaker for this engine opened (no hook call)."""
+        if self._state is not CircuitState.OPEN:
+            self._open(seconds, notify=False)
+
+    def _open(self, seconds: float, *, notify: bool = True) -> None:
         self._state = CircuitState.OPEN
         self._opened_at = self._clock()
         self._open_for = seconds
         self._probe_in_flight = False
+        if notify and self.on_open is not None:
+            self.on_open(seconds)

@@ -1,13 +1,19 @@
 """The router's own Prometheus metrics. All names start with ``kvstack_`` and carry their unit; none reuses
 an engine's ``vllm:`` name, so engine and router series never mix on one dashboard.
+
+With several worker processes (``--workers``) prometheus_client runs in multiprocess mode (the supervisor
+sets ``PROMETHEUS_MULTIPROC_DIR``): /metrics on any worker renders every worker's values, counters and
+histograms summed; each gauge says how it combines (``multiprocess_mode``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from kvstack.engines.state import CircuitState
 
@@ -18,6 +24,8 @@ CIRCUIT_VALUES = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitStat
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = reg = CollectorRegistry(auto_describe=True)
+        # Set by the worker supervisor before this process imported prometheus_client.
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         self.requests = Counter(
             "kvstack_router_requests",
             "Requests answered, by model, engine and HTTP status.",
@@ -42,6 +50,7 @@ class RouterMetrics:
             "kvstack_router_in_flight_requests",
             "Requests sent to an engine and not finished.",
             ["engine"],
+            multiprocess_mode="livesum",
             registry=reg,
         )
         self.retries = Counter(
@@ -54,6 +63,7 @@ class RouterMetrics:
             "kvstack_router_circuit_state",
             "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=reg,
         )
         self.decisions = Counter(
@@ -69,7 +79,10 @@ class RouterMetrics:
             registry=reg,
         )
         self.queue_depth = Gauge(
-            "kvstack_router_queued_requests", "Requests waiting for admission.", registry=reg
+            "kvstack_router_queued_requests",
+            "Requests waiting for admission.",
+            multiprocess_mode="livesum",
+            registry=reg,
         )
         self.upstream_errors = Counter(
             "kvstack_router_upstream_errors",
@@ -87,10 +100,15 @@ class RouterMetrics:
             "kvstack_engine_metric_missing",
             "1 while an engine does not export a metric its catalog expects.",
             ["engine", "metric"],
+            multiprocess_mode="livemax",
             registry=reg,
         )
         self.engines = Gauge(
-            "kvstack_router_engines", "Engines known to the router, by routability.", ["state"], registry=reg
+            "kvstack_router_engines",
+            "Engines known to the router, by routability.",
+            ["state"],
+            multiprocess_mode="livemax",
+            registry=reg,
         )
         self.kv_events = Counter(
             "kvstack_kv_events",
@@ -126,14 +144,19 @@ class RouterMetrics:
             "kvstack_kv_events_connected",
             "1 while the router's KV event subscription to the engine is connected.",
             ["engine"],
+            multiprocess_mode="livemax",
             registry=reg,
         )
         self.prefix_index_entries = Gauge(
-            "kvstack_prefix_index_entries", "(engine, block) entries in the prefix index.", registry=reg
+            "kvstack_prefix_index_entries",
+            "(engine, block) entries in the prefix index.",
+            multiprocess_mode="livemax",
+            registry=reg,
         )
         self.prefix_index_evictions = Gauge(
             "kvstack_prefix_index_evicted_entries",
             "Entries evicted from the prefix index by its memory bound, since start.",
+            multiprocess_mode="livemax",
             registry=reg,
         )
         self.tokenize_seconds = Histogram(
@@ -239,4 +262,8 @@ class RouterMetrics:
         self._child(self.tokenize_seconds, source).observe(seconds)
 
     def render(self) -> bytes:
+        if self.multiprocess:
+            merged = CollectorRegistry()
+            MultiProcessCollector(merged)
+            return generate_latest(merged)
         return generate_latest(self.registry)

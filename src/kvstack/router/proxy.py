@@ -226,6 +226,7 @@ class Proxy:
         state, breaker = entry.state, entry.breaker
         url = state.url
         state.in_flight += 1
+        self.registry.publish_in_flight(entry)
         self.registry.note_sent(state, self._clock())
         in_flight_gauge = self.metrics.engine_in_flight(url)
         in_flight_gauge.set(state.in_flight)
@@ -353,8 +354,9 @@ class Proxy:
             raise
         finally:
             state.in_flight -= 1
+            self.registry.publish_in_flight(entry)
             # Requests the last scrape saw have finished: the baseline of "sent since the scrape" drops too.
-            state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.in_flight)
+            state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.total_in_flight)
             in_flight_gauge.set(state.in_flight)
             if upstream is not None:
                 upstream.release()

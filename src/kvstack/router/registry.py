@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.router.circuit import CircuitBreaker, CircuitConfig
+from kvstack.router.workers import SharedInFlight
 
 # Send times kept per engine for least-QPS scoring; older ones are dropped.
 RECENT_WINDOW_S = 10.0
@@ -24,11 +25,22 @@ class EngineEntry:
     state: EngineState
     breaker: CircuitBreaker
     added_at: float = field(default_factory=time.monotonic)
+    slot: int = 0  # column in the workers' shared in-flight table
 
 
 class EngineRegistry:
-    def __init__(self, circuit: CircuitConfig | None = None) -> None:
+    def __init__(
+        self,
+        circuit: CircuitConfig | None = None,
+        *,
+        shared_in_flight: SharedInFlight | None = None,
+        on_circuit_open: Callable[[str, float], None] | None = None,
+    ) -> None:
+        """``shared_in_flight``: the worker group's table (several router processes); ``on_circuit_open``
+        is told (URL, seconds) when a breaker of this process opens."""
         self._entries: dict[str, EngineEntry] = {}
+        self.shared_in_flight = shared_in_flight
+        self.on_circuit_open = on_circuit_open
         self._circuit = circuit or CircuitConfig()
         self.default_knowledge = "none"  # EngineState.knowledge of a new engine
         # Derived per request on the hot path; recomputed only when an engine or its models change.
@@ -50,19 +62,33 @@ class EngineRegistry:
     def states(self) -> list[EngineState]:
         """Current states with circuit state refreshed (an open breaker turns half-open on its own)."""
         out = []
+        shared = self.shared_in_flight
         for entry in self._entries.values():
-            entry.state.circuit = entry.breaker.state
-            out.append(entry.state)
+            state = entry.state
+            state.circuit = entry.breaker.state
+            if shared is not None:
+                state.in_flight_peers = shared.others(entry.slot)
+            out.append(state)
         return out
+
+    def publish_in_flight(self, entry: EngineEntry) -> None:
+        """Tell the other worker processes this process's in-flight count for the engine."""
+        if self.shared_in_flight is not None:
+            self.shared_in_flight.set_local(entry.slot, entry.state.in_flight)
 
     def upsert(self, endpoint: Endpoint) -> EngineEntry:
         """Add an engine, or update what discovery says about it, keeping its runtime state."""
         entry = self._entries.get(endpoint.url)
         if entry is None:
-            entry = EngineEntry(
-                EngineState(endpoint, knowledge=self.default_knowledge), CircuitBreaker(self._circuit)
-            )
-            self._entries[endpoint.url] = entry
+            url = endpoint.url
+            breaker = CircuitBreaker(self._circuit)
+            if self.on_circuit_open is not None:
+                hook = self.on_circuit_open
+                breaker.on_open = lambda seconds: hook(url, seconds)
+            entry = EngineEntry(EngineState(endpoint, knowledge=self.default_knowledge), breaker)
+            if self.shared_in_flight is not None:
+                entry.slot = self.shared_in_flight.slot(url)
+            self._entries[url] = entry
         else:
             entry.state.endpoint = endpoint
         self._models = self._all_known = None
@@ -70,7 +96,10 @@ class EngineRegistry:
 
     def remove(self, url: str) -> EngineEntry | None:
         self._models = self._all_known = None
-        return self._entries.pop(url, None)
+        entry = self._entries.pop(url, None)
+        if entry is not None and self.shared_in_flight is not None:
+            self.shared_in_flight.set_local(entry.slot, 0)
+        return entry
 
     def set_draining(self, url: str, draining: bool) -> bool:
         entry = self._entries.get(url)

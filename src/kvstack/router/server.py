@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -30,6 +30,7 @@ from kvstack.router.prefix import PrefixLocator, PrefixSource
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.routing import SchedulerPicker
+from kvstack.router.workers import WorkerGroup, WorkerGroupConfig
 from kvstack.scheduling import Scheduler, build_scheduler
 from kvstack.scheduling.presets import load_routing
 
@@ -66,6 +67,8 @@ class RouterOptions:
     history_ttl: float = 600.0
     # Replaces the index-and-history locator as the source of prefix views (experiments: an oracle).
     prefix_source: PrefixSource | None = None
+    # This process is one of several router workers on the port (set by the --workers supervisor).
+    group: WorkerGroupConfig | None = None
 
 
 @dataclass
@@ -80,10 +83,13 @@ class RunningRouter:
     feeds: KVEventFeeds | None = None
     prompts: PromptTokenizer | None = None
     locator: PrefixLocator | None = None
+    group: WorkerGroup | None = None
 
     async def stop(self) -> None:
         if self.discovery is not None:
             await self.discovery.stop()
+        if self.group is not None:
+            await self.group.stop()
         if self.feeds is not None:
             await self.feeds.stop()
         if self.prompts is not None:
@@ -100,7 +106,12 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     session = aiohttp.ClientSession(
         connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
     )
-    registry = EngineRegistry(opts.circuit)
+    group = None if opts.group is None else WorkerGroup(opts.group)
+    registry = EngineRegistry(
+        opts.circuit,
+        shared_in_flight=None if group is None else group.in_flight,
+        on_circuit_open=None if group is None else _circuit_broadcaster(group),
+    )
     metrics = RouterMetrics()
     kv_scheduler: Scheduler | None = None
     if opts.routing == "auto":
@@ -123,7 +134,10 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     # Until an engine's events are found, prefix routing knows it only from its own history.
     registry.default_knowledge = "approximate" if picker.needs_prefix else "none"
     proxy = Proxy(session, registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
-    admission = AdmissionController(opts.max_in_flight, opts.max_queue, opts.queue_timeout)
+    max_in_flight, max_queue = opts.max_in_flight, opts.max_queue
+    if opts.group is not None:  # router-wide limits, shared out between the workers
+        max_in_flight, max_queue = opts.group.limit(max_in_flight), opts.group.limit(max_queue)
+    admission = AdmissionController(max_in_flight, max_queue, opts.queue_timeout)
     router = RouterApp(
         opts.app,
         registry,
@@ -135,18 +149,23 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         expected_models=opts.expected_models,
         extra_state=lambda state: _prefix_state(state, feeds, locator),
         listeners=[] if feeds is None else [feeds],
+        group=group,
     )
     app = router.app()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream request.
     runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     try:
+        if group is not None:
+            await group.start()
         sock = _bind(opts.host, opts.port, reuse_port=opts.reuse_port)
         site = web.SockSite(runner, sock, backlog=4096)
         await site.start()
     except BaseException:
         await runner.cleanup()
         await session.close()
+        if group is not None:
+            await group.stop()
         raise
     for endpoint in opts.engines:
         router.add_engine(endpoint)
@@ -181,7 +200,22 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         feeds,
         prompts,
         locator,
+        group,
     )
+
+
+def _circuit_broadcaster(group: WorkerGroup) -> Callable[[str, float], None]:
+    """A breaker hook that opens the same engine's breakers in the sibling workers."""
+    pending: set[asyncio.Task[int]] = set()
+
+    def opened(url: str, seconds: float) -> None:
+        task = asyncio.get_running_loop().create_task(
+            group.broadcast("circuit-open", {"url": url, "seconds": seconds})
+        )
+        pending.add(task)
+        task.add_done_callback(pending.discard)
+
+    return opened
 
 
 def _state(registry: EngineRegistry, url: str) -> EngineState | None:

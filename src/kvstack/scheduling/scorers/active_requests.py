@@ -1,7 +1,8 @@
 """active-requests-scorer: prefer engines with fewer requests in flight from this router.
 
-Formula: score = (max_a - a) / (max_a - min_a) over the candidates, a = ``EngineState.in_flight`` (requests
-the router sent and has not finished); 1 for all when equal. Always known: the router counts it itself.
+Formula: score = (max_a - a) / (max_a - min_a) over the candidates, a = ``EngineState.total_in_flight``
+(requests the router, all its worker processes, sent and has not finished); 1 for all when equal. Always
+known: the router counts it itself.
 
 Parameters: none. Cost: O(candidates).
 When to use: in every load-based profile. It is the only load signal that changes between two decisions:
@@ -21,7 +22,7 @@ from kvstack.scheduling.scorers.relative import lower_is_better
 
 
 def _in_flight(engine: EngineState) -> float:
-    return engine.in_flight
+    return engine.total_in_flight
 
 
 class ActiveRequestsScorer(Scorer):
