@@ -58,15 +58,18 @@ class KVStack:
         return engine
 
 
-async def _sims(n: int, *, kv_events: bool) -> list[RunningEngine]:
+async def _sims(
+    n: int, *, kv_events: bool, block_sizes: tuple[int, ...] = (), legacy_events: bool = False
+) -> list[RunningEngine]:
     tok = load_tokenizer(None)
     sampler = OutputSampler(tok)
     out = []
-    for _ in range(n):
-        cfg = EngineConfig(model_name=MODEL, time_scale=20.0, block_size=BLOCK, num_gpu_blocks=4096)
+    for i in range(n):
+        block = block_sizes[i] if block_sizes else BLOCK
+        cfg = EngineConfig(model_name=MODEL, time_scale=20.0, block_size=block, num_gpu_blocks=4096)
         opts = SimOptions(
             engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=free_port(), kv_events=kv_events,
-            replay=kv_events,
+            replay=kv_events, legacy_event_encoding=legacy_events,
         )  # fmt: skip
         out.append(await start_engine(opts, tok, sampler, 0))
     return out
@@ -177,6 +180,35 @@ async def test_approximate_prefix_without_events(kv_stack: KVStack) -> None:
     assert {await kv_stack.complete(LONG) for _ in range(5)} == {first}
     other = await kv_stack.complete("a completely different prompt " * 20)
     assert other != first  # a miss goes to the least recently used engine
+
+
+@pytest.mark.parametrize("legacy_events", [False, True], ids=["tagged-events", "legacy-array-events"])
+async def test_engines_with_different_block_sizes_coexist(legacy_events: bool) -> None:
+    engines = await _sims(2, kv_events=True, block_sizes=(16, 128), legacy_events=legacy_events)
+    router = await start_router(
+        RouterOptions(port=free_port(), engines=[Endpoint(e.url) for e in engines], routing="kv-aware")
+    )
+    small, large = engines[0].url, engines[1].url
+    try:
+        await _until(lambda: all(e.state.knowledge == "kv-events" for e in router.app.registry))
+        locator = router.locator
+        assert locator is not None
+        async with aiohttp.ClientSession() as http:
+            for url in (small, large):  # each engine computes the long prompt once
+                body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
+                async with http.post(f"{url}/v1/completions", json=body) as r:
+                    assert r.status == 200
+        await _until(lambda: locator.block_size(small) == 16 and locator.block_size(large) == 128)
+        tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
+        assert tokens is not None
+        view = locator.lookup(tokens, router.app.registry.states()).view
+        # Each engine's prefix, counted in its own block size: whole blocks of the prompt.
+        assert view.precise[small][0] == len(tokens) // 16 * 16
+        assert view.precise[large][0] == len(tokens) // 128 * 128
+    finally:
+        await router.stop()
+        for e in engines:
+            await stop_engine(e)
 
 
 # -- prompt tokenization ----------------------------------------------------------------------------------
