@@ -89,8 +89,12 @@ async def kv_stack(request: pytest.FixtureRequest) -> AsyncIterator[KVStack]:
     marker = request.node.get_closest_marker("routing")
     routing = marker.args[0] if marker else "auto"
     engines = await _sims(2, kv_events=routing != "prefix")
+    # A generous scrape timeout: on a loaded machine a slow scrape makes metrics stale, and a stale engine
+    # counts as saturated, which would move repeats off the holder for reasons this file does not test.
     router = await start_router(
-        RouterOptions(port=free_port(), engines=[Endpoint(e.url) for e in engines], routing=routing)
+        RouterOptions(
+            port=free_port(), engines=[Endpoint(e.url) for e in engines], routing=routing, scrape_timeout=2.0
+        )
     )
     http = aiohttp.ClientSession()
     try:
