@@ -189,7 +189,9 @@ def test_now_reaches_the_plugins() -> None:
             seen.append(state.now)
             return {}
 
-    Scheduler([SchedulerProfile("p", scorers=[(Clock(), 1.0)])]).schedule(request(), [engine("a")], now=42.0)
+    Scheduler([SchedulerProfile("p", scorers=[(Clock(), 1.0)])]).schedule(
+        request(), [engine("a"), engine("b")], now=42.0
+    )
     assert seen == [42.0]
 
 

@@ -75,6 +75,9 @@ class SchedulerProfile:
             candidates = f.filter(request, state, candidates)
             if not candidates:
                 return ProfileResult(self.name, (), {}, emptied_by=f.name)
+        if len(candidates) == 1:
+            # Nothing to compare: scores could not change the choice (a one-engine fleet's hot path).
+            return ProfileResult(self.name, (candidates[0],), {candidates[0].url: 0.0})
         totals = dict.fromkeys((e.url for e in candidates), 0.0)
         for scorer, weight in self.scorers:
             scores = scorer.score(request, state, candidates)
