@@ -1,0 +1,147 @@
+"""Chunk keys of the KV cache tier: one chained 32-byte blake3 key per chunk of token ids.
+
+A chunk is ``chunk_size`` consecutive prompt tokens (default 256); chunk ``i`` covers tokens
+``[i * chunk_size, (i + 1) * chunk_size)``. Only full chunks get a key unless ``include_partial`` is set, in
+which case a shorter tail gets one more key.
+
+Key scheme (v1):
+
+- ``namespace = KVLayout.namespace()``: canonical JSON (sorted keys, no spaces) of the model, the KV layout
+  (layers, KV heads, head size, dtype, block layout) and the tensor-parallel rank and size, prefixed with
+  ``b"kvstack-kv-chunk/v1\\0"``. Any field that changes the bytes of a chunk's KV data is in it, so two
+  engines with the same model and layout share keys and different layouts never do.
+- Two 32-byte keys derived with blake3's derive-key mode (context strings below) from
+  ``namespace || chunk_size`` as 4 little-endian bytes: ``k_full`` for full chunks and ``k_tail`` for the
+  partial tail. Different keys make the tail a different function, so a partial chunk never equals a full
+  chunk, whatever its length.
+- ``key_i = blake3_keyed(k_full, key_{i-1} || tokens_i)`` with ``key_{-1}`` 32 zero bytes and ``tokens_i``
+  the chunk's token ids as little-endian uint32; the tail is
+  ``blake3_keyed(k_tail, key_{n-1} || len(tail) as uint32 || tokens_tail)``.
+
+Every key depends on every token before it (changing an early token changes all later keys), and nothing
+depends on ``PYTHONHASHSEED``, the process or the machine: keys are stable across engines and restarts.
+blake3 (unlike the router's 64-bit xxh3 block keys) makes a collision, which would serve another prompt's
+KV data, practically impossible.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from blake3 import blake3
+
+__all__ = ["ChunkKey", "KVLayout", "chunk_keys"]
+
+KEY_BYTES = 32
+_NAMESPACE_PREFIX = b"kvstack-kv-chunk/v1\0"
+_FULL_CONTEXT = "kvstack 2025 kv-chunk full-chunk key v1"
+_TAIL_CONTEXT = "kvstack 2025 kv-chunk partial-tail key v1"
+_ROOT_PARENT = bytes(KEY_BYTES)
+_U32 = struct.Struct("<I")
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """What makes the bytes of one chunk's KV data: model, KV cache shape and dtype, tensor-parallel slice."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_size: int
+    dtype: str
+    block_layout: str = ""
+    """How the engine lays a chunk out, e.g. "vllm-cpu:[blocks,kv_heads,block,2*head]"."""
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_size", "tp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"KVLayout.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"KVLayout.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
+
+    def namespace(self) -> bytes:
+        """The canonical bytes every chunk key of this layout is derived from."""
+        return _NAMESPACE_PREFIX + json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
+
+
+class ChunkKey(bytes):
+    """A 32-byte chunk key (a ``bytes``: hashable, compact, usable as a dict key); ``str()`` is its hex."""
+
+    __slots__ = ()
+
+    def __new__(cls, digest: bytes) -> ChunkKey:
+        if len(digest) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(digest)}")
+        return super().__new__(cls, digest)
+
+    @classmethod
+    def from_hex(cls, text: str) -> ChunkKey:
+        return cls(bytes.fromhex(text))
+
+    def __str__(self) -> str:
+        return self.hex()
+
+    def __repr__(self) -> str:
+        return f"ChunkKey({self.hex()[:16]}…)"
+
+
+def _packed(token_ids: Sequence[int]) -> memoryview:
+    """Token ids as little-endian uint32 bytes."""
+    packed = array("I")
+    if packed.itemsize != 4:  # the key scheme hashes uint32 token ids
+        raise RuntimeError("array('I') is not 4 bytes on this platform; chunk keys need uint32 packing")
+    try:
+        packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
+    except (OverflowError, TypeError) as e:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return memoryview(packed).cast("B")
+
+
+def _derived_keys(layout: KVLayout, chunk_size: int) -> tuple[bytes, bytes]:
+    material = layout.namespace() + _U32.pack(chunk_size)
+    full = blake3(material, derive_key_context=_FULL_CONTEXT).digest()
+    tail = blake3(material, derive_key_context=_TAIL_CONTEXT).digest()
+    return full, tail
+
+
+def chunk_keys(
+    token_ids: Sequence[int],
+    layout: KVLayout,
+    chunk_size: int = 256,
+    include_partial: bool = False,
+    parent: ChunkKey | None = None,
+) -> list[ChunkKey]:
+    """One chained key per full chunk of ``token_ids`` (plus the partial tail when ``include_partial``).
+
+    ``parent`` continues a chain: ``chunk_keys(b, layout, parent=chunk_keys(a, layout)[-1])`` equals the keys
+    of ``a + b`` after ``a``'s when ``a`` is a whole number of chunks.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    k_full, k_tail = _derived_keys(layout, chunk_size)
+    data = _packed(token_ids)
+    stride = 4 * chunk_size
+    full_end = len(data) - len(data) % stride
+    key: bytes = _ROOT_PARENT if parent is None else parent
+    keys: list[ChunkKey] = []
+    for off in range(0, full_end, stride):
+        hasher = blake3(key, key=k_full)
+        hasher.update(data[off : off + stride])
+        key = ChunkKey(hasher.digest())
+        keys.append(key)
+    if include_partial and full_end < len(data):
+        tail = data[full_end:]
+        hasher = blake3(key, key=k_tail)
+        hasher.update(_U32.pack(len(tail) // 4))
+        hasher.update(tail)
+        keys.append(ChunkKey(hasher.digest()))
+    return keys

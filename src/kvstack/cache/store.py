@@ -1,0 +1,184 @@
+"""The tiered store: memory first, then the lower tiers (disk, Redis) in order, behind one object.
+
+- ``lookup(keys)``: the longest consecutive prefix of ``keys`` held anywhere, and a tier holding each chunk.
+  A chunk may sit in any tier (chunk 0 in memory, chunk 1 only on disk), only the prefix must be unbroken.
+  Tiers are asked in order and the search restarts at the top after each run, so runs are attributed to the
+  highest tier holding their first chunk; no payload is read.
+- ``get(keys)``: the payloads of the longest consecutive prefix that could be read and verified (it can be
+  shorter than ``lookup`` said, when an entry was evicted or found corrupt meanwhile). A chunk read from a
+  lower tier is promoted: copied into memory.
+- ``put(keys, payloads)``: stores into memory at once (one copy) and queues each chunk for every lower tier;
+  never blocks and never awaits. Each lower tier has a bounded queue (``write_queue_size`` chunks) drained by
+  its own writer task in batches of up to ``write_batch``; when a queue is full the write is dropped and
+  counted in ``StoreStats.queue_drops``. Queued chunks are views of the memory copy, so a queued chunk costs
+  no extra memory, and if memory evicts it first its pages stay held (and counted in the memory budget)
+  until the writer is done; a chunk memory refused (too big, everything pinned) is queued as a private copy.
+
+``start`` starts the tiers and the writers; ``stop`` lets the queues drain for up to ``drain_timeout_s``,
+cancels the writers and closes the tiers. The first tier must be a `MemoryTier`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.memory import MemoryTier
+
+__all__ = ["StoreStats", "TieredStore"]
+
+log = logging.getLogger(__name__)
+
+_WriteQueue = asyncio.Queue[tuple[ChunkKey, Payload]]
+
+
+@dataclass(slots=True)
+class StoreStats:
+    tiers: dict[str, TierStats]
+    """Each tier's own counters, by tier name, top tier first."""
+    queued: dict[str, int]
+    """Writes waiting in each lower tier's queue."""
+    queue_drops: dict[str, int]
+    """Writes dropped because that tier's queue was full."""
+    promotions: int
+    """Chunks copied into memory after a lower-tier hit."""
+
+
+class TieredStore:
+    """Memory plus lower tiers searched in order (see the module docstring)."""
+
+    def __init__(self, tiers: Sequence[Tier], *, write_queue_size: int = 64, write_batch: int = 8) -> None:
+        if not tiers or not isinstance(tiers[0], MemoryTier):
+            raise TypeError("TieredStore needs a MemoryTier first: puts and promotions land there")
+        names = [tier.name for tier in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique (stats and lookups use them), got {names}")
+        if write_queue_size < 1 or write_batch < 1:
+            raise ValueError(
+                f"need write_queue_size >= 1 and write_batch >= 1, got {write_queue_size}, {write_batch}"
+            )
+        self.memory: MemoryTier = tiers[0]
+        self.tiers: tuple[Tier, ...] = tuple(tiers)
+        self._write_batch = write_batch
+        self._queues: dict[str, _WriteQueue] = {
+            tier.name: asyncio.Queue(maxsize=write_queue_size) for tier in self.tiers[1:]
+        }
+        self._queue_drops = dict.fromkeys(self._queues, 0)
+        self._writers: list[asyncio.Task[None]] = []
+        self._promotions = 0
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        for tier in self.tiers:
+            await tier.start()
+        self._writers = [
+            asyncio.get_running_loop().create_task(self._write_loop(tier, self._queues[tier.name]))
+            for tier in self.tiers[1:]
+        ]
+
+    async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        try:
+            await asyncio.wait_for(self.flush(), drain_timeout_s)
+        except TimeoutError:
+            left = {name: queue.qsize() for name, queue in self._queues.items() if queue.qsize()}
+            log.warning(
+                "tiered store: stopping with writes still queued after %gs: %s", drain_timeout_s, left
+            )
+        writers, self._writers = self._writers, []
+        for task in writers:
+            task.cancel()
+        await asyncio.gather(*writers, return_exceptions=True)
+        for tier in reversed(self.tiers):
+            await tier.close()
+
+    async def flush(self) -> None:
+        """Wait until every queued write has been handed to its tier (needs ``start``)."""
+        for queue in self._queues.values():
+            await queue.join()
+
+    # -- reads
+
+    async def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
+        """(n, the name of a tier holding each of ``keys[:n]``) for the longest consecutive prefix held."""
+        where: list[str] = []
+        while len(where) < len(keys):
+            rest = keys[len(where) :]
+            for tier in self.tiers:
+                run = await tier.contains(rest)
+                if run:
+                    where.extend([tier.name] * run)
+                    break
+            else:
+                break
+        return len(where), where
+
+    async def get(self, keys: Sequence[ChunkKey]) -> list[Payload]:
+        """The payloads of the longest consecutive prefix of ``keys`` that every tier together can serve."""
+        found: list[Payload | None] = list(await self.memory.get_many(keys))
+        from_lower: list[int] = []
+        for tier in self.tiers[1:]:
+            missing = [i for i, payload in enumerate(found) if payload is None]
+            if not missing:
+                break
+            got = await tier.get_many([keys[i] for i in missing])
+            for i, payload in zip(missing, got, strict=True):
+                if payload is not None:
+                    found[i] = payload
+                    from_lower.append(i)
+        prefix: list[Payload] = []
+        for payload in found:
+            if payload is None:
+                break
+            prefix.append(payload)
+        for i in from_lower:
+            if i < len(prefix) and self.memory.put_sync(keys[i], prefix[i]):
+                self._promotions += 1
+        return prefix
+
+    # -- writes
+
+    def put(self, keys: Sequence[ChunkKey], payloads: Sequence[Payload]) -> int:
+        """Store each chunk in memory and queue it for the lower tiers; returns how many memory kept."""
+        if len(keys) != len(payloads):
+            raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
+        kept = 0
+        for key, data in zip(keys, payloads, strict=True):
+            stored = self.memory.put_sync(key, data)
+            kept += stored
+            if not self._queues:
+                continue
+            # Lower tiers write later: they need bytes the caller cannot change meanwhile.
+            view = self.memory.peek(key) if stored else None
+            frozen: Payload = view if view is not None else bytes(byte_view(data))
+            for name, queue in self._queues.items():
+                try:
+                    queue.put_nowait((key, frozen))
+                except asyncio.QueueFull:
+                    self._queue_drops[name] += 1
+        return kept
+
+    def stats(self) -> StoreStats:
+        return StoreStats(
+            tiers={tier.name: tier.stats() for tier in self.tiers},
+            queued={name: queue.qsize() for name, queue in self._queues.items()},
+            queue_drops=dict(self._queue_drops),
+            promotions=self._promotions,
+        )
+
+    async def _write_loop(self, tier: Tier, queue: _WriteQueue) -> None:
+        while True:
+            batch = [await queue.get()]
+            while len(batch) < self._write_batch and not queue.empty():
+                batch.append(queue.get_nowait())
+            try:
+                await tier.put_many(batch)
+            except Exception:  # a tier must not raise; if one does, the writer survives it
+                log.exception("tiered store: tier %s raised on a write of %d chunks", tier.name, len(batch))
+            finally:
+                for _ in batch:
+                    queue.task_done()

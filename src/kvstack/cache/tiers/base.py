@@ -1,0 +1,104 @@
+"""The contract every KV cache tier implements (memory, local disk, Redis), and its counters.
+
+A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every tier keeps:
+
+- No method raises for a tier fault (I/O error, lost connection, corrupt entry): a read fault is a miss, a
+  write fault is a dropped write, and both are counted in `TierStats`. Programming errors still raise.
+- A corrupt entry (failed length or checksum check) is deleted, counted in ``corrupt`` and read as a miss: a
+  tier never returns bytes it did not verify.
+- ``get`` may return a read-only ``memoryview`` into the tier's own storage (no copy); callers that keep it
+  longer than a moment should copy it or use the tier's pinning where it has one.
+- ``start`` and ``close`` own whatever the tier runs (threads, connections, tasks); a tier is used between
+  them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from kvstack.cache.keys import ChunkKey
+
+__all__ = ["Payload", "Tier", "TierStats", "byte_view"]
+
+Payload = bytes | bytearray | memoryview
+"""One chunk's bytes, as given to ``put`` or returned by ``get``."""
+
+
+def byte_view(data: Payload) -> memoryview:
+    """``data`` as a flat view of unsigned bytes, without copying (any C-contiguous buffer works)."""
+    view = memoryview(data)
+    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
+
+
+@dataclass(slots=True)
+class TierStats:
+    """Counters of one tier since it started; ``bytes``/``entries``/``capacity_bytes`` are None when the
+    tier cannot know them (Redis)."""
+
+    hits: int = 0
+    misses: int = 0
+    writes: int = 0
+    """Payloads stored."""
+    write_drops: int = 0
+    """Writes not stored: too large, no room (everything pinned), tier down, or an I/O error."""
+    evictions: int = 0
+    errors: int = 0
+    """I/O or connection errors (each also shows as a miss or a dropped write)."""
+    corrupt: int = 0
+    """Entries that failed verification: deleted and read as misses."""
+    bytes: int | None = 0
+    entries: int | None = 0
+    capacity_bytes: int | None = None
+    up: bool = True
+
+    def copy(self) -> TierStats:
+        return replace(self)
+
+
+class Tier(ABC):
+    """One storage tier of chunk payloads; see the module docstring for the rules."""
+
+    name: str
+
+    async def start(self) -> None:  # noqa: B027 - optional hook, most tiers need nothing
+        """Acquire resources (threads, connections); called once before use."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook
+        """Release everything ``start`` acquired; pending work is finished or dropped, never left running."""
+
+    @abstractmethod
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        """How many of ``keys``, from the first, are present consecutively (no payload is read)."""
+
+    @abstractmethod
+    async def get(self, key: ChunkKey) -> Payload | None:
+        """The verified payload of ``key``, or None."""
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
+        """The payload of each key, or None where missing."""
+        return [await self.get(key) for key in keys]
+
+    @abstractmethod
+    async def put(self, key: ChunkKey, data: Payload) -> bool:
+        """Store a copy of ``data`` under ``key`` (replacing any); False when the write was dropped."""
+
+    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
+        """Store each (key, data); returns how many were stored."""
+        stored = 0
+        for key, data in items:
+            stored += await self.put(key, data)
+        return stored
+
+    @abstractmethod
+    async def delete(self, key: ChunkKey) -> bool:
+        """Remove ``key``; True when it was present."""
+
+    @abstractmethod
+    async def clear(self) -> None:
+        """Remove every entry of this tier (for Redis: every key under the tier's prefix)."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of the counters."""

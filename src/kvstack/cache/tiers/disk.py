@@ -1,0 +1,395 @@
+"""The local disk tier: one file per chunk under a byte budget, LRU, verified on every read.
+
+Layout: ``root/ab/cd/<64 hex digits>.kv`` where ``ab``/``cd`` are the first two bytes of the key (at most
+65,536 leaf directories, so no directory grows huge). A file is one `record` (64-byte header with magic,
+version, length, key and xxh3_128 of the payload, then the payload).
+
+Writes go to ``.<hex>.<pid>.<n>.tmp`` in the same directory, then ``os.replace`` onto the final name, so a
+reader (or a restart after ``kill -9``) sees either the old file, the complete new one, or none. ``fsync``:
+
+- ``never``: no fsync. A killed process loses nothing it renamed (the page cache survives it); a machine
+  crash may leave renamed files empty or torn, which the checksum rejects on read.
+- ``data``: fsync each file before the rename, so a renamed file's bytes survive a machine crash (its
+  directory entry may not: the chunk is then just missing).
+- ``always``: ``data`` plus an fsync of the directory after the rename, so the entry survives too.
+
+Reads check the header, the length against the file size and the checksum; a corrupt or truncated file is
+deleted, counted in ``corrupt`` and read as a miss. A hit also bumps the file's mtime, which is the LRU order
+a restart recovers.
+
+Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
+files whose name or header is invalid are deleted, the rest are indexed oldest mtime first; then the budget
+is enforced. ``capacity_bytes`` bounds the sum of file sizes (header included), counting writes in flight;
+eviction deletes least recently used files first.
+
+All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
+threads) in ``close``; the index itself is only touched on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_length, verify_record
+
+__all__ = ["DiskTier", "FsyncPolicy"]
+
+log = logging.getLogger(__name__)
+
+FsyncPolicy = Literal["never", "data", "always"]
+_SUFFIX = ".kv"
+_NAME = re.compile(r"[0-9a-f]{64}\.kv")
+_T = TypeVar("_T")
+
+
+@dataclass(slots=True, eq=False)
+class _File:
+    """An indexed chunk file; a new object per write, so a late failure of an old read cannot unindex it."""
+
+    size: int
+
+
+@dataclass(slots=True)
+class _Read:
+    data: memoryview | None = None
+    file_bytes: int = 0
+    corrupt: str | None = None  # why the file was deleted
+    error: OSError | None = None
+
+
+@dataclass(slots=True)
+class _Write:
+    file_bytes: int
+    error: OSError | None = None
+
+
+class DiskTier(Tier):
+    """Chunk files under ``root`` within ``capacity_bytes``; see the module docstring."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        capacity_bytes: int,
+        *,
+        fsync: FsyncPolicy = "never",
+        io_threads: int = 2,
+        name: str = "disk",
+    ) -> None:
+        if fsync not in ("never", "data", "always"):
+            raise ValueError(f"fsync must be never, data or always, got {fsync!r}")
+        if capacity_bytes < 0 or io_threads < 1:
+            raise ValueError(f"need capacity_bytes >= 0, io_threads >= 1; got {capacity_bytes}, {io_threads}")
+        self.name = name
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.fsync: FsyncPolicy = fsync
+        self._io_threads = io_threads
+        self._pool: ThreadPoolExecutor | None = None
+        self._inflight: set[asyncio.Future[Any]] = set()
+        self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # LRU first
+        self._used = 0  # file bytes indexed
+        self._reserved = 0  # file bytes of writes in flight
+        self._tmp_seq = itertools.count()
+        self._stats = TierStats(capacity_bytes=capacity_bytes)
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        if self._pool is not None:
+            return
+        self._pool = ThreadPoolExecutor(self._io_threads, thread_name_prefix=f"kvstack-{self.name}")
+        found = await self._run(self._scan)
+        self._index = OrderedDict((key, _File(size)) for key, size in found)
+        self._used = sum(file.size for file in self._index.values())
+        doomed = self._evict_for(0)
+        if doomed:
+            await self._run(lambda: self._unlink_all(doomed))
+        log.info(
+            "disk tier %s: %d chunks (%d bytes) in %s", self.name, len(self._index), self._used, self.root
+        )
+
+    async def close(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        # Jobs finish before the pool goes (a write is never cut in half), then its idle threads are joined.
+        await asyncio.gather(*self._inflight, return_exceptions=True)
+        pool.shutdown(wait=True)
+
+    # -- Tier interface
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        n = 0
+        for key in keys:
+            if key not in self._index:
+                break
+            n += 1
+        return n
+
+    async def get(self, key: ChunkKey) -> Payload | None:
+        file = self._index.get(key)
+        if file is None:
+            self._stats.misses += 1
+            return None
+        self._index.move_to_end(key)
+        read = await self._run(lambda: self._read_file(key))
+        if read.data is not None:
+            self._stats.hits += 1
+            return read.data
+        self._stats.misses += 1
+        if read.corrupt is not None:
+            self._stats.corrupt += 1
+            log.warning("disk tier %s: deleted corrupt chunk %s (%s)", self.name, key.hex(), read.corrupt)
+        if read.error is not None:
+            self._stats.errors += 1
+            log.warning("disk tier %s: cannot read chunk %s: %s", self.name, key.hex(), read.error)
+        if self._index.get(key) is file:
+            self._forget(key)
+        return None
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
+        return list(await asyncio.gather(*(self.get(key) for key in keys)))
+
+    async def put(self, key: ChunkKey, data: Payload) -> bool:
+        if self._pool is None:
+            raise RuntimeError(f"disk tier {self.name} is not started")
+        payload = byte_view(data)
+        file_bytes = HEADER_BYTES + payload.nbytes
+        if self._reserved + file_bytes > self.capacity_bytes:  # too big, or writes in flight hold the room
+            self._stats.write_drops += 1
+            return False
+        self._forget(key)  # replaced below; its bytes are free for the new file
+        doomed = self._evict_for(file_bytes)
+        self._reserved += file_bytes
+
+        def settle(result: _Write | None) -> None:  # on the loop, even if the caller was cancelled
+            self._reserved -= file_bytes
+            if result is None or result.error is not None:
+                self._stats.errors += 1
+                self._stats.write_drops += 1
+                error = "unexpected failure" if result is None else result.error
+                log.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), error)
+                return
+            self._forget(key)  # a concurrent put of the same key may have finished first
+            self._index[key] = _File(file_bytes)
+            self._used += file_bytes
+            self._stats.writes += 1
+
+        result = await self._run(lambda: self._write_file(key, payload, doomed), settle)
+        return result.error is None
+
+    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
+        return sum(await asyncio.gather(*(self.put(key, data) for key, data in items)))
+
+    async def delete(self, key: ChunkKey) -> bool:
+        if key not in self._index:
+            return False
+        self._forget(key)
+        await self._run(lambda: self._unlink_all([key]))
+        return True
+
+    async def clear(self) -> None:
+        self._index.clear()
+        self._used = 0
+        await self._run(self._remove_everything)
+
+    def stats(self) -> TierStats:
+        stats = self._stats.copy()
+        stats.bytes = self._used + self._reserved
+        stats.entries = len(self._index)
+        return stats
+
+    # -- index (event loop only)
+
+    def _forget(self, key: ChunkKey) -> None:
+        file = self._index.pop(key, None)
+        if file is not None:
+            self._used -= file.size
+
+    def _evict_for(self, file_bytes: int) -> list[ChunkKey]:
+        """Drop LRU entries from the index until ``file_bytes`` more fit (or the index is empty); returns the
+        keys whose files to delete."""
+        doomed: list[ChunkKey] = []
+        while self._index and self._used + self._reserved + file_bytes > self.capacity_bytes:
+            key, file = self._index.popitem(last=False)
+            self._used -= file.size
+            doomed.append(key)
+        self._stats.evictions += len(doomed)
+        return doomed
+
+    async def _run(self, job: Callable[[], _T], settle: Callable[[_T | None], None] | None = None) -> _T:
+        """Run ``job`` in the tier's threads; ``settle`` sees its result (None if it raised) on the loop,
+        whether or not the awaiting task is cancelled meanwhile."""
+        if self._pool is None:
+            raise RuntimeError(f"disk tier {self.name} is not started")
+        future = asyncio.get_running_loop().run_in_executor(self._pool, job)
+        self._inflight.add(future)
+        future.add_done_callback(self._inflight.discard)
+        if settle is not None:
+            future.add_done_callback(
+                lambda f: settle(None if f.cancelled() or f.exception() is not None else f.result())
+            )
+        return await asyncio.shield(future)
+
+    # -- files (tier threads only)
+
+    def _path(self, key: ChunkKey) -> Path:
+        text = key.hex()
+        return self.root / text[:2] / text[2:4] / (text + _SUFFIX)
+
+    def _read_file(self, key: ChunkKey) -> _Read:
+        path = self._path(key)
+        try:
+            with open(path, "rb", buffering=0) as f:
+                header, length, file_bytes = _read_header(f.fileno(), key)
+                payload = memoryview(bytearray(length))
+                got = _read_into(f.fileno(), payload)
+                verify_record(key, header, payload[:got])
+            with suppress(OSError):  # recency is a hint; a read-only disk still serves
+                os.utime(path)
+            return _Read(data=payload.toreadonly(), file_bytes=file_bytes)
+        except FileNotFoundError:
+            return _Read()
+        except CorruptRecord as e:
+            self._unlink(path)
+            return _Read(corrupt=str(e))
+        except OSError as e:
+            return _Read(error=e)
+
+    def _write_file(self, key: ChunkKey, payload: memoryview, doomed: list[ChunkKey]) -> _Write:
+        self._unlink_all(doomed)
+        path = self._path(key)
+        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
+        header = pack_header(key, payload)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            try:
+                _write_all(fd, memoryview(header))
+                _write_all(fd, payload)
+                if self.fsync != "never":
+                    os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+            if self.fsync == "always":
+                _fsync_dir(path.parent)
+        except OSError as e:
+            self._unlink(tmp)
+            self._unlink(path)  # an older version is no longer indexed: do not leave it behind
+            return _Write(HEADER_BYTES + payload.nbytes, error=e)
+        return _Write(HEADER_BYTES + payload.nbytes)
+
+    def _unlink_all(self, keys: Sequence[ChunkKey]) -> None:
+        for key in keys:
+            self._unlink(self._path(key))
+
+    @staticmethod
+    def _unlink(path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:
+            log.warning("cannot delete %s: %s", path, e)
+
+    def _shard_dirs(self) -> list[Path]:
+        shards: list[Path] = []
+        for top in _subdirs(self.root):
+            shards.extend(_subdirs(top))
+        return shards
+
+    def _scan(self) -> list[tuple[ChunkKey, int]]:
+        """Every valid chunk file as (key, bytes), oldest mtime first; deletes temp and invalid files."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        found: list[tuple[int, ChunkKey, int]] = []
+        for shard in self._shard_dirs():
+            with os.scandir(shard) as it:
+                for entry in it:
+                    if entry.name.endswith(".tmp"):
+                        self._unlink(Path(entry.path))
+                    elif entry.name.endswith(_SUFFIX) and entry.is_file(follow_symlinks=False):
+                        chunk = self._check_header(Path(entry.path), entry.name, shard)
+                        if chunk is not None:
+                            found.append(chunk)
+        found.sort(key=lambda item: item[0])
+        return [(key, size) for _, key, size in found]
+
+    def _check_header(self, path: Path, name: str, shard: Path) -> tuple[int, ChunkKey, int] | None:
+        key = ChunkKey.from_hex(name[:64]) if _NAME.fullmatch(name) else None
+        try:
+            if key is None or self._path(key).parent != shard:
+                raise CorruptRecord("not a chunk file name, or in the wrong directory")
+            with open(path, "rb", buffering=0) as f:
+                _, _, file_bytes = _read_header(f.fileno(), key)
+                mtime_ns = os.fstat(f.fileno()).st_mtime_ns
+        except CorruptRecord as e:
+            log.warning("disk tier %s: deleting invalid chunk file %s (%s)", self.name, path, e)
+            self._unlink(path)
+            return None
+        except OSError as e:
+            log.warning("disk tier %s: skipping unreadable %s (%s)", self.name, path, e)
+            return None
+        return mtime_ns, key, file_bytes
+
+    def _remove_everything(self) -> None:
+        for shard in self._shard_dirs():
+            with os.scandir(shard) as it:
+                for entry in it:
+                    if entry.name.endswith((_SUFFIX, ".tmp")):
+                        self._unlink(Path(entry.path))
+
+
+def _subdirs(path: Path) -> list[Path]:
+    try:
+        with os.scandir(path) as it:
+            return [Path(e.path) for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
+    except FileNotFoundError:
+        return []
+
+
+def _read_header(fd: int, key: ChunkKey) -> tuple[bytes, int, int]:
+    """(header, payload length, file bytes) of an open chunk file; raises `CorruptRecord` when the header is
+    invalid or the file size disagrees with it."""
+    file_bytes = os.fstat(fd).st_size
+    header = os.read(fd, HEADER_BYTES)
+    length = payload_length(key, header)
+    if HEADER_BYTES + length != file_bytes:
+        raise CorruptRecord(f"header says {length} payload bytes, the file holds {file_bytes - HEADER_BYTES}")
+    return header, length, file_bytes
+
+
+def _read_into(fd: int, buf: memoryview) -> int:
+    """Fill ``buf`` from ``fd``; returns the bytes read (fewer only at end of file)."""
+    got = 0
+    while got < len(buf):
+        n = os.readv(fd, [buf[got:]])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        written = os.write(fd, data)
+        data = data[written:]
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

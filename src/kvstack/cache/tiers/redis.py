@@ -1,0 +1,288 @@
+"""The Redis/Valkey tier: chunks shared across nodes, through redis-py's asyncio client.
+
+Keys: ``prefix + hex(chunk key)`` (prefix default ``kvstack:kv:``), so several caches can share one server
+and ``clear`` removes only this tier's keys. Values: one `record` (64-byte header with magic, version,
+length, key and xxh3_128 of the payload, then the payload), written with ``SET .. PX ttl`` (``ttl_s`` None:
+no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case).
+
+- ``get_many`` is one ``MGET``; ``put_many`` one pipeline of ``SET``s (no transaction); ``contains`` one
+  pipeline of ``EXISTS``. A value that fails verification is deleted (``DEL``), counted in ``corrupt`` and a
+  miss.
+- Connection loss or a timeout (``socket_timeout_s``) marks the tier down: from then on reads are misses and
+  writes are dropped, without touching the network, counted, never raised. A background task drops the
+  client's connections and ``PING``s with exponential backoff (``retry_initial_s`` doubling up to
+  ``retry_max_s``) and marks the tier up again on the first answer. redis-py's own retries are off, so a
+  dead server costs one failed call, not a retry storm.
+- ``start`` never fails on an unreachable server: the tier starts down and comes up when the server does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
+
+__all__ = ["RedisTier"]
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+# Errors that mean "the server is not there": the tier goes down. Any other RedisError is counted only.
+_UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
+
+
+class _Failed(enum.Enum):
+    CALL = 0
+
+
+_FAILED = _Failed.CALL
+
+
+class RedisTier(Tier):
+    """Chunks in Redis/Valkey under ``prefix`` (see the module docstring)."""
+
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        prefix: str = "kvstack:kv:",
+        ttl_s: float | None = 3600.0,
+        socket_timeout_s: float = 2.0,
+        connect_timeout_s: float = 1.0,
+        retry_initial_s: float = 0.05,
+        retry_max_s: float = 2.0,
+        name: str = "redis",
+    ) -> None:
+        if ttl_s is not None and ttl_s <= 0:
+            raise ValueError(f"ttl_s must be > 0 or None (no expiry), got {ttl_s}")
+        if not 0 < retry_initial_s <= retry_max_s:
+            raise ValueError(f"need 0 < retry_initial_s <= retry_max_s, got {retry_initial_s}, {retry_max_s}")
+        self.name = name
+        self.url = url
+        self.prefix = prefix
+        self._prefix = prefix.encode()
+        self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._socket_timeout_s = socket_timeout_s
+        self._connect_timeout_s = connect_timeout_s
+        self._retry_initial_s = retry_initial_s
+        self._retry_max_s = retry_max_s
+        self._client: aioredis.Redis | None = None
+        self._up = False
+        self._reconnect: asyncio.Task[None] | None = None
+        self._stats = TierStats(bytes=None, entries=None, capacity_bytes=None, up=False)
+
+    @property
+    def up(self) -> bool:
+        return self._up
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        if self._client is not None:
+            return
+        self._client = aioredis.Redis.from_url(
+            self.url,
+            socket_timeout=self._socket_timeout_s,
+            socket_connect_timeout=self._connect_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=False,
+        )
+        try:
+            await self._client.ping()
+        except (*_UNREACHABLE, RedisError) as e:
+            self._mark_down(e)
+            return
+        self._up = True
+
+    async def close(self) -> None:
+        task, self._reconnect = self._reconnect, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        client, self._client = self._client, None
+        self._up = False
+        if client is not None:
+            await client.aclose()
+
+    # -- Tier interface
+
+    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        if not keys:
+            return 0
+
+        async def exists_each(client: aioredis.Redis) -> list[Any]:
+            async with client.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(self._key(key))
+                return await pipe.execute()
+
+        found = await self._guard(exists_each)
+        if found is _FAILED:
+            return 0
+        n = 0
+        for present in found:
+            if present != 1:
+                break
+            n += 1
+        return n
+
+    async def get(self, key: ChunkKey) -> Payload | None:
+        return (await self.get_many([key]))[0]
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
+        if not keys:
+            return []
+        names = [self._key(key) for key in keys]
+        values = await self._guard(lambda client: client.mget(names))
+        if values is _FAILED:
+            self._stats.misses += len(keys)
+            return [None] * len(keys)
+        out: list[Payload | None] = []
+        corrupt: list[bytes] = []
+        for key, name, value in zip(keys, names, values, strict=True):
+            payload = None if value is None else self._unpack(key, cast(bytes, value), name, corrupt)
+            if payload is None:
+                self._stats.misses += 1
+            else:
+                self._stats.hits += 1
+            out.append(payload)
+        if corrupt:
+            await self._guard(lambda client: client.delete(*corrupt))
+        return out
+
+    async def put(self, key: ChunkKey, data: Payload) -> bool:
+        return await self.put_many([(key, data)]) == 1
+
+    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
+        if not items:
+            return 0
+
+        async def set_each(client: aioredis.Redis) -> list[Any]:
+            async with client.pipeline(transaction=False) as pipe:
+                for key, data in items:
+                    payload = byte_view(data)
+                    pipe.set(self._key(key), b"".join((pack_header(key, payload), payload)), px=self._ttl_ms)
+                return await pipe.execute(raise_on_error=False)
+
+        results = await self._guard(set_each)
+        if results is _FAILED:
+            self._stats.write_drops += len(items)
+            return 0
+        stored = sum(1 for result in results if result is True)
+        failed = [result for result in results if isinstance(result, Exception)]
+        if failed:
+            self._stats.errors += len(failed)
+            log.warning(
+                "redis tier %s: %d of %d writes failed, e.g. %s",
+                self.name,
+                len(failed),
+                len(items),
+                failed[0],
+            )
+        self._stats.writes += stored
+        self._stats.write_drops += len(items) - stored
+        return stored
+
+    async def delete(self, key: ChunkKey) -> bool:
+        removed = await self._guard(lambda client: client.delete(self._key(key)))
+        return removed is not _FAILED and removed > 0
+
+    async def clear(self) -> None:
+
+        async def unlink_prefix(client: aioredis.Redis) -> None:
+            batch: list[bytes] = []
+            async for name in client.scan_iter(match=_glob_escape(self._prefix) + b"*", count=1000):
+                batch.append(name)
+                if len(batch) >= 1000:
+                    await client.unlink(*batch)
+                    batch.clear()
+            if batch:
+                await client.unlink(*batch)
+
+        await self._guard(unlink_prefix)
+
+    def stats(self) -> TierStats:
+        stats = self._stats.copy()
+        stats.up = self._up
+        return stats
+
+    # -- internals
+
+    def _key(self, key: ChunkKey) -> bytes:
+        return self._prefix + key.hex().encode()
+
+    def _unpack(self, key: ChunkKey, value: bytes, name: bytes, corrupt: list[bytes]) -> memoryview | None:
+        view = memoryview(value)
+        try:
+            verify_record(key, view[:HEADER_BYTES], view[HEADER_BYTES:])
+        except CorruptRecord as e:
+            self._stats.corrupt += 1
+            corrupt.append(name)
+            log.warning("redis tier %s: deleting corrupt value %r (%s)", self.name, name, e)
+            return None
+        return view[HEADER_BYTES:]
+
+    async def _guard(self, call: Callable[[aioredis.Redis], Awaitable[_T]]) -> _T | _Failed:
+        """``await call(client)``; `_FAILED` when the tier is down (without calling) or the call fails
+        (counted, and the tier marked down when the server is unreachable)."""
+        if not self._up or self._client is None:
+            return _FAILED
+        try:
+            return await call(self._client)
+        except _UNREACHABLE as e:
+            self._mark_down(e)
+        except RedisError as e:
+            self._stats.errors += 1
+            log.warning("redis tier %s: %s", self.name, e)
+        return _FAILED
+
+    def _mark_down(self, error: BaseException) -> None:
+        self._stats.errors += 1
+        if self._up or self._reconnect is None:
+            log.warning(
+                "redis tier %s: %s unreachable (%s: %s); serving without it, retrying every <= %gs",
+                self.name,
+                self.url,
+                type(error).__name__,
+                error,
+                self._retry_max_s,
+            )
+        self._up = False
+        if self._reconnect is None or self._reconnect.done():
+            self._reconnect = asyncio.get_running_loop().create_task(self._reconnect_loop())
+
+    async def _reconnect_loop(self) -> None:
+        delay = self._retry_initial_s
+        while self._client is not None:
+            await asyncio.sleep(delay)
+            client = self._client
+            if client is None:
+                return
+            try:
+                # Connections to the old server are dead: start from fresh ones.
+                await client.connection_pool.disconnect()
+                await client.ping()
+            except (*_UNREACHABLE, RedisError):
+                delay = min(2 * delay, self._retry_max_s)
+                continue
+            self._up = True
+            log.warning("redis tier %s: %s is reachable again", self.name, self.url)
+            return
+
+
+def _glob_escape(text: bytes) -> bytes:
+    return re.sub(rb"([*?\[\]\\])", rb"\\\1", text)

@@ -1,0 +1,269 @@
+"""The Redis tier against a real redis-server started here: round trips, pipelining, TTL, prefixes,
+corruption, and the server going away and coming back while a tiered store keeps serving.
+
+The server is ``redis-server`` from PATH (Debian package redis-server), on a free 127.0.0.1 port with no
+persistence, stopped by PID. Without the binary these tests skip, except under CI (CI=true), where they fail.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from blake3 import blake3
+
+from kvstack.cache import ChunkKey, TieredStore
+from kvstack.cache.tiers import DiskTier, MemoryTier
+from kvstack.cache.tiers.record import HEADER_BYTES
+from kvstack.cache.tiers.redis import RedisTier
+
+
+def key(i: int) -> ChunkKey:
+    return ChunkKey(blake3(b"redis-test" + str(i).encode()).digest())
+
+
+def payload(i: int, size: int = 3000) -> bytes:
+    return blake3(b"payload" + str(i).encode()).digest(length=size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server process on a fixed port that can be stopped and started again."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        self.binary = binary
+        self.workdir = workdir
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        cmd = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+        ]
+        cmd += ["--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                time.sleep(0.02)
+        log = (self.workdir / "redis.log").read_text(errors="replace")[-2000:]
+        self.stop()
+        raise RuntimeError(f"redis-server on port {self.port} did not answer PING; its log ends:\n{log}")
+
+    def stop(self) -> None:
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        reason = (
+            "redis-server is not installed (Debian: apt-get install redis-server; `make test` installs it)"
+        )
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"CI must run the Redis tier tests, but {reason}")
+        pytest.skip(reason)
+    server = RedisServer(binary, tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+async def raw(redis_server: RedisServer) -> AsyncIterator[aioredis.Redis]:
+    """A plain client, to look at and tamper with what the tier stored."""
+    client = aioredis.Redis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def tier(redis_server: RedisServer, request: pytest.FixtureRequest) -> AsyncIterator[RedisTier]:
+    tier = RedisTier(redis_server.url, prefix=f"t:{request.node.name}:", ttl_s=60)
+    await tier.start()
+    assert tier.up
+    yield tier
+    await tier.clear()
+    await tier.close()
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
+        await asyncio.sleep(0.02)
+
+
+async def test_round_trip_contains_delete_and_stats(tier: RedisTier, raw: aioredis.Redis) -> None:
+    assert await tier.put(key(1), payload(1))
+    got = await tier.get(key(1))
+    assert got is not None and bytes(got) == payload(1)
+    assert await tier.get(key(2)) is None
+    stored = await raw.get(f"{tier.prefix}{key(1).hex()}")
+    assert stored is not None and len(stored) == HEADER_BYTES + 3000 and stored[:4] == b"KVSC"
+    assert await tier.contains([key(1), key(2)]) == 1 and await tier.contains([]) == 0
+    assert await tier.delete(key(1)) and not await tier.delete(key(1))
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.writes, stats.up) == (1, 1, 1, True)
+    assert stats.bytes is None  # Redis holds the bytes: the tier does not know them
+
+
+async def test_pipelined_multi_set_and_one_mget(tier: RedisTier, raw: aioredis.Redis) -> None:
+    items = [(key(i), payload(i, 500 + i)) for i in range(20)]
+    assert await tier.put_many(items) == 20
+    before = (await raw.info("commandstats")).get("cmdstat_mget", {}).get("calls", 0)
+    keys = [key(i) for i in range(20)]
+    keys.insert(5, key(99))
+    got = await tier.get_many(keys)
+    after = (await raw.info("commandstats"))["cmdstat_mget"]["calls"]
+    assert after - before == 1
+    assert got[5] is None
+    assert [bytes(g or b"") for g in got[:5] + got[6:]] == [data for _, data in items]
+    assert await tier.contains(keys) == 5
+
+
+async def test_ttl_expires_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    short = RedisTier(redis_server.url, prefix="ttl:", ttl_s=0.3)
+    forever = RedisTier(redis_server.url, prefix="ttl-none:", ttl_s=None)
+    for t in (short, forever):
+        await t.start()
+        await t.put(key(1), payload(1))
+    assert 0 < await raw.pttl(f"ttl:{key(1).hex()}") <= 300
+    assert await raw.pttl(f"ttl-none:{key(1).hex()}") == -1
+
+    async def expired() -> bool:
+        return await short.get(key(1)) is None
+
+    await eventually(expired, timeout_s=5)
+    assert await forever.get(key(1)) is not None
+    for t in (short, forever):
+        await t.clear()
+        await t.close()
+
+
+async def test_prefixes_isolate_tiers(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    a = RedisTier(redis_server.url, prefix="iso:a:")
+    b = RedisTier(redis_server.url, prefix="iso:a*")  # a glob character in a prefix is matched literally
+    await a.start()
+    await b.start()
+    await raw.set("iso:other", b"not ours")
+    await a.put(key(1), payload(1))
+    assert await b.get(key(1)) is None and await b.contains([key(1)]) == 0
+    await b.put(key(1), payload(2))
+    await b.clear()
+    assert bytes(await a.get(key(1)) or b"") == payload(1)
+    await a.clear()
+    assert await a.get(key(1)) is None
+    assert await raw.get("iso:other") == b"not ours"
+    await raw.delete("iso:other")
+    await a.close()
+    await b.close()
+
+
+async def test_flipped_bytes_in_redis_are_a_miss_deleted_and_counted(
+    tier: RedisTier, raw: aioredis.Redis
+) -> None:
+    for i, offset in enumerate([HEADER_BYTES + 1234, 10, 30, 60]):  # payload, length, key, checksum
+        await tier.put(key(i), payload(i))
+        name = f"{tier.prefix}{key(i).hex()}"
+        value = await raw.getrange(name, offset, offset)
+        await raw.setrange(name, offset, bytes([value[0] ^ 0x40]))
+    got = await tier.get_many([key(i) for i in range(4)])
+    assert got == [None] * 4
+    assert tier.stats().corrupt == 4 and tier.stats().misses == 4
+    assert await raw.exists(*[f"{tier.prefix}{key(i).hex()}" for i in range(4)]) == 0
+
+
+async def test_unreachable_at_start_is_down_not_an_error() -> None:
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", retry_initial_s=0.05, retry_max_s=0.1)
+    await tier.start()
+    assert not tier.up
+    assert await tier.get(key(1)) is None and await tier.contains([key(1)]) == 0
+    assert not await tier.put(key(1), b"x")
+    stats = tier.stats()
+    assert stats.misses == 1 and stats.write_drops == 1 and stats.errors >= 1 and not stats.up
+    await tier.close()
+
+
+async def test_redis_stopped_mid_run_store_keeps_serving_then_recovers(
+    redis_server: RedisServer, raw: aioredis.Redis, tmp_path: Path
+) -> None:
+    memory = MemoryTier(2 * 4096)
+    disk = DiskTier(tmp_path, 1 << 20)
+    remote = RedisTier(redis_server.url, prefix="restart:", ttl_s=60, retry_initial_s=0.02, retry_max_s=0.2)
+    store = TieredStore([memory, disk, remote], write_queue_size=64)
+    await store.start()
+    keys = [key(i) for i in range(6)]
+    for i, k in enumerate(keys):
+        # One at a time: a queued write holds its memory pages until written, and memory has two.
+        store.put([k], [payload(i, 4096)])
+        await store.flush()
+    assert await remote.contains(keys) == 6 and memory.contains_sync(keys[4:]) == 2
+
+    redis_server.stop()
+    try:
+        # A chunk that only Redis could have: asking for it finds the server gone.
+        assert (await store.lookup([*keys, key(100)]))[0] == 6
+        assert not remote.up and remote.stats().errors >= 1
+        got = await store.get(keys)  # served by memory and disk
+        assert [bytes(g) for g in got] == [payload(i, 4096) for i in range(6)]
+        del got
+        more = [key(i) for i in range(6, 10)]
+        for i, k in enumerate(more, start=6):
+            store.put([k], [payload(i, 4096)])
+            await store.flush()
+        assert await disk.contains(more) == 4 and memory.contains_sync(more[2:]) == 2
+        assert remote.stats().write_drops == 4  # dropped and counted while down, never raised
+        assert (await store.lookup(more))[0] == 4
+    finally:
+        await asyncio.to_thread(redis_server.start)
+
+    async def back_up() -> bool:
+        return remote.up
+
+    await eventually(back_up)
+    assert await remote.get(key(0)) is None  # a fresh server holds nothing
+    store.put([key(20)], [payload(20)])
+    await store.flush()
+    assert await raw.exists(f"restart:{key(20).hex()}") == 1
+    assert bytes(await remote.get(key(20)) or b"") == payload(20)
+    await remote.clear()
+    await store.stop()

@@ -1,0 +1,471 @@
+"""KV cache tiers and the tiered store: memory (LRU, pinning, budget, flat memory), disk (verified files,
+restart, LRU budget, corruption, kill -9 during writes) and the store (prefix across tiers, promotion,
+bounded write queues)."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from array import array
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+import pytest
+from blake3 import blake3
+
+from kvstack.cache import ChunkKey, TieredStore
+from kvstack.cache.tiers import DiskTier, MemoryTier, Payload
+from kvstack.cache.tiers.record import HEADER_BYTES
+
+PAGE = mmap.PAGESIZE
+
+
+def key(i: int, ns: bytes = b"k") -> ChunkKey:
+    return ChunkKey(blake3(ns + str(i).encode()).digest())
+
+
+def payload(i: int, size: int) -> bytes:
+    return blake3(b"payload" + str(i).encode()).digest(length=size)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+# -- memory
+
+
+def test_memory_round_trip_zero_copy_read_only_views() -> None:
+    tier = MemoryTier(1 << 20)
+    data = payload(1, 10_000)
+    assert tier.put_sync(key(1), data)
+    view = tier.get_sync(key(1))
+    assert isinstance(view, memoryview) and view.readonly and bytes(view) == data
+    assert tier.get_sync(key(2)) is None
+    # Any C-contiguous buffer is stored by its bytes; an empty payload is a valid chunk.
+    assert tier.put_sync(key(3), array("H", [1, 2, 3]))
+    assert bytes(tier.get_sync(key(3)) or b"") == array("H", [1, 2, 3]).tobytes()
+    assert tier.put_sync(key(4), b"") and tier.get_sync(key(4)) == b""
+    stats = tier.stats()
+    assert (stats.hits, stats.misses, stats.writes, stats.entries) == (3, 1, 3, 3)
+    assert stats.bytes == 3 * PAGE + PAGE  # page-rounded; the empty chunk takes no mapping
+    assert tier.delete_sync(key(1)) and not tier.delete_sync(key(1))
+
+
+def test_memory_lru_evicts_least_recently_used_and_drops_oversize() -> None:
+    tier = MemoryTier(3 * PAGE)
+    for i in range(3):
+        assert tier.put_sync(key(i), payload(i, PAGE))
+    assert tier.get_sync(key(0)) is not None  # 0 is now the most recent: 1 goes first
+    assert tier.put_sync(key(3), payload(3, PAGE))
+    assert tier.contains_sync([key(0)]) == 1 and tier.contains_sync([key(1)]) == 0
+    assert tier.contains_sync([key(2), key(3), key(0), key(1)]) == 3
+    assert tier.stats().evictions == 1
+    assert not tier.put_sync(key(9), payload(9, 3 * PAGE + 1))
+    assert tier.stats().write_drops == 1 and tier.stats().bytes == 3 * PAGE
+
+
+def test_memory_pinned_entries_are_never_evicted() -> None:
+    tier = MemoryTier(2 * PAGE)
+    tier.put_sync(key(0), payload(0, PAGE))
+    tier.put_sync(key(1), payload(1, PAGE))
+    with tier.pinned(key(0)) as view0, tier.pinned(key(1)) as view1:
+        assert view0 is not None and view1 is not None
+        assert not tier.put_sync(key(2), payload(2, PAGE))  # no room: everything is pinned
+        assert tier.stats().write_drops == 1
+        assert bytes(view0) == payload(0, PAGE)
+    with pytest.raises(ValueError):  # released on exit: a kept reference cannot read freed memory
+        bytes(view0)
+    with tier.pinned(key(0)):
+        assert tier.put_sync(key(2), payload(2, PAGE))  # evicts 1, not the pinned 0
+    assert tier.contains_sync([key(0), key(2)]) == 2 and tier.contains_sync([key(1)]) == 0
+    with tier.pinned(key(9)) as missing:
+        assert missing is None
+
+
+def test_memory_views_outlive_eviction_unchanged_and_count_in_the_budget() -> None:
+    tier = MemoryTier(2 * PAGE)
+    tier.put_sync(key(0), payload(0, PAGE))
+    view = tier.get_sync(key(0))
+    assert view is not None
+    tier.put_sync(key(1), payload(1, PAGE))
+    tier.put_sync(key(2), payload(2, PAGE))  # evicts 0; its mapping is held for the view, not reused
+    assert tier.contains_sync([key(0)]) == 0
+    assert tier.held_bytes == PAGE
+    assert bytes(view) == payload(0, PAGE)
+    # 0's held page still counts: 1 and 2 cannot both stay.
+    assert tier.stats().bytes <= 2 * PAGE and tier.stats().entries == 1
+    del view
+    assert tier.put_sync(key(3), payload(3, PAGE))  # the held page is reclaimed first
+    assert tier.held_bytes == 0 and tier.stats().entries == 2
+
+
+def test_memory_budget_never_exceeded_and_memory_flat_over_a_long_random_workload() -> None:
+    budget = 32 << 20
+    rng = random.Random(5)
+    sizes = [rng.choice([64 << 10, 256 << 10, 1 << 20, 2 << 20]) + rng.randrange(PAGE) for _ in range(16)]
+    blobs = [os.urandom(size) for size in sizes]
+    before = rss_bytes()
+    tier = MemoryTier(budget)
+    readers: list[memoryview] = []
+    samples: list[int] = []
+    for step in range(5000):
+        k = key(rng.randrange(200))
+        op = rng.random()
+        if op < 0.55:
+            blob = blobs[rng.randrange(len(blobs))]
+            if tier.put_sync(k, blob):
+                view = tier.peek(k)
+                assert view is not None and len(view) == len(blob) and view[-64:] == blob[-64:]
+        elif op < 0.8:
+            view = tier.get_sync(k)
+            if view is not None and rng.random() < 0.3:
+                readers.append(view)  # a reader that holds on for a while
+        elif op < 0.9:
+            with tier.pinned(k) as view:
+                if view is not None:
+                    tier.put_sync(key(rng.randrange(200)), blobs[0])
+                    assert len(view) in sizes
+        else:
+            tier.delete_sync(k)
+        if len(readers) > 4:
+            readers.pop(0)
+        assert (tier.stats().bytes or 0) <= budget
+        if step % 100 == 0:
+            samples.append(rss_bytes())
+    readers.clear()
+    view = None
+    # Memory: within budget plus interpreter noise, and flat from the first quarter to the end.
+    slack = 12 << 20
+    assert max(samples) - before <= budget + slack
+    assert samples[-1] - samples[len(samples) // 4] <= slack
+    assert tier.stats().evictions > 100
+    tier.clear_sync()
+    tier.put_sync(key(0), b"x")  # reclaims what the last readers held
+    assert rss_bytes() - before <= slack  # every mapping went back to the OS: nothing fragmented
+
+
+# -- disk
+
+
+def chunk_path(root: Path, k: ChunkKey) -> Path:
+    text = k.hex()
+    return root / text[:2] / text[2:4] / f"{text}.kv"
+
+
+def files(root: Path, pattern: str) -> list[Path]:
+    return list(root.rglob(pattern))
+
+
+def truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
+@pytest.fixture
+async def disk(tmp_path: Path) -> AsyncIterator[DiskTier]:
+    tier = DiskTier(tmp_path / "kv", 1 << 20)
+    await tier.start()
+    yield tier
+    await tier.close()
+
+
+async def test_disk_round_trip_layout_and_stats(disk: DiskTier) -> None:
+    data = payload(1, 5000)
+    assert await disk.put(key(1), data)
+    assert bytes(await disk.get(key(1)) or b"") == data
+    assert await disk.get(key(2)) is None
+    path = chunk_path(disk.root, key(1))
+    assert path.stat().st_size == HEADER_BYTES + len(data)
+    assert await disk.put_many([(key(i), payload(i, 100)) for i in range(2, 5)]) == 3
+    assert await disk.contains([key(1), key(2), key(3), key(9), key(4)]) == 3
+    got = await disk.get_many([key(4), key(9), key(2)])
+    assert [None if g is None else bytes(g) for g in got] == [payload(4, 100), None, payload(2, 100)]
+    assert await disk.delete(key(1)) and not path.exists() and not await disk.delete(key(1))
+    stats = disk.stats()
+    assert (stats.hits, stats.misses, stats.writes, stats.entries) == (3, 2, 4, 3)
+    assert stats.bytes == 3 * (HEADER_BYTES + 100)
+    await disk.clear()
+    assert disk.stats().entries == 0 and not files(disk.root, "*.kv")
+
+
+@pytest.mark.parametrize("fsync", ["never", "data", "always"])
+async def test_disk_fsync_policies_write_the_same_files(tmp_path: Path, fsync: str) -> None:
+    tier = DiskTier(tmp_path, 1 << 20, fsync=fsync)  # type: ignore[arg-type]
+    await tier.start()
+    assert await tier.put(key(1), payload(1, 3000))
+    assert bytes(await tier.get(key(1)) or b"") == payload(1, 3000)
+    await tier.close()
+    with pytest.raises(ValueError, match="fsync"):
+        DiskTier(tmp_path, 1, fsync="sometimes")  # type: ignore[arg-type]
+
+
+async def test_disk_lru_budget_deletes_files(tmp_path: Path) -> None:
+    file_bytes = HEADER_BYTES + 1000
+    tier = DiskTier(tmp_path, 3 * file_bytes)
+    await tier.start()
+    for i in range(3):
+        await tier.put(key(i), payload(i, 1000))
+    assert await tier.get(key(0)) is not None  # 1 is now the oldest
+    await tier.put(key(3), payload(3, 1000))
+    assert not chunk_path(tmp_path, key(1)).exists()
+    assert await tier.contains([key(0), key(2), key(3)]) == 3 and await tier.contains([key(1)]) == 0
+    assert tier.stats().evictions == 1 and tier.stats().bytes == 3 * file_bytes
+    assert not await tier.put(key(9), payload(9, 3 * file_bytes))  # larger than the budget
+    assert len(files(tmp_path, "*.kv")) == 3
+    await tier.close()
+
+
+async def test_disk_restart_rebuilds_the_index_in_lru_order(tmp_path: Path) -> None:
+    file_bytes = HEADER_BYTES + 500
+    tier = DiskTier(tmp_path, 10 * file_bytes)
+    await tier.start()
+    for i in range(4):
+        await tier.put(key(i), payload(i, 500))
+    await tier.close()
+    # Recency survives in mtimes: make 2 the oldest, then 0, 3, 1.
+    for age, i in enumerate([1, 3, 0, 2]):
+        os.utime(chunk_path(tmp_path, key(i)), ns=(time.time_ns(), 10**18 - age * 10**9))
+    again = DiskTier(tmp_path, 4 * file_bytes)
+    await again.start()
+    assert again.stats().entries == 4 and again.stats().bytes == 4 * file_bytes
+    assert bytes(await again.get(key(3)) or b"") == payload(3, 500)  # a hit makes 3 the newest again
+    await again.put(key(4), payload(4, 500))
+    await again.put(key(5), payload(5, 500))
+    assert await again.contains([key(2)]) == 0 and await again.contains([key(0)]) == 0
+    assert await again.contains([key(1), key(3), key(4), key(5)]) == 4
+    await again.close()
+    # A smaller budget at start evicts down to it.
+    small = DiskTier(tmp_path, 2 * file_bytes)
+    await small.start()
+    assert small.stats().entries == 2 and len(files(tmp_path, "*.kv")) == 2
+    await small.close()
+
+
+async def test_disk_flipped_bytes_are_a_miss_deleted_and_counted(disk: DiskTier) -> None:
+    for i, offset in enumerate([HEADER_BYTES + 777, 9, 20, 50]):  # payload, length, key, checksum
+        await disk.put(key(i), payload(i, 2000))
+        path = chunk_path(disk.root, key(i))
+        raw = bytearray(path.read_bytes())
+        raw[offset] ^= 0x01
+        path.write_bytes(raw)
+        assert await disk.get(key(i)) is None
+        assert not path.exists()
+        assert await disk.contains([key(i)]) == 0
+    assert disk.stats().corrupt == 4 and disk.stats().entries == 0 and disk.stats().bytes == 0
+
+
+async def test_disk_truncated_file_is_a_miss_and_deleted(disk: DiskTier) -> None:
+    await disk.put(key(1), payload(1, 4000))
+    path = chunk_path(disk.root, key(1))
+    truncate(path, HEADER_BYTES + 1000)
+    assert await disk.get(key(1)) is None and not path.exists()
+    assert disk.stats().corrupt == 1
+
+
+async def test_disk_start_cleans_temp_and_invalid_files_and_keeps_others(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20)
+    await tier.start()
+    await tier.put(key(1), payload(1, 100))
+    await tier.put(key(2), payload(2, 100))
+    await tier.close()
+    shard = chunk_path(tmp_path, key(1)).parent
+    tmp = shard / f".{key(1).hex()}.123.0.tmp"
+    tmp.write_bytes(b"half a chunk")
+    truncated = chunk_path(tmp_path, key(2))
+    truncated.write_bytes(truncated.read_bytes()[:-1])
+    garbage = chunk_path(tmp_path, key(3))
+    garbage.parent.mkdir(parents=True, exist_ok=True)
+    garbage.write_bytes(b"not a record")
+    misplaced = shard / f"{key(4).hex()}.kv"  # a valid name in the wrong directory
+    misplaced.write_bytes(b"x" * 100)
+    foreign = tmp_path / "README"
+    foreign.write_text("not ours")
+    again = DiskTier(tmp_path, 1 << 20)
+    await again.start()
+    assert again.stats().entries == 1
+    assert not tmp.exists() and not truncated.exists() and not garbage.exists() and not misplaced.exists()
+    assert foreign.exists()
+    assert bytes(await again.get(key(1)) or b"") == payload(1, 100)
+    await again.close()
+
+
+def kill_test_payload(i: int, bases: list[bytes]) -> bytes:
+    return i.to_bytes(8, "little") + bases[i % len(bases)]
+
+
+def kill_test_bases() -> list[bytes]:
+    return [blake3(b"base" + bytes([n])).digest(length=n << 18) for n in (1, 2, 4)]
+
+
+# The writer runs the same payload functions as the checks below (their source, not an import of this
+# module: importing pytest would cost each writer a second).
+_WRITER_IMPORTS = """
+from __future__ import annotations
+import asyncio, sys
+from blake3 import blake3
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.tiers.disk import DiskTier
+"""
+_WRITER = "\n".join(
+    [_WRITER_IMPORTS, *(inspect.getsource(f) for f in (key, kill_test_payload, kill_test_bases))]
+) + textwrap.dedent(
+    """
+    bases = kill_test_bases()
+    def payload(i): return kill_test_payload(i, bases)
+
+    async def main(root, first):
+        tier = DiskTier(root, 1 << 40, fsync="data")  # a write spends most time with its temp file open
+        await tier.start()
+        i = first
+        while True:
+            await tier.put_many([(key(j), payload(j)) for j in range(i, i + 4)])
+            i += 4
+            if i == first + 8:
+                print("writing", flush=True)
+
+    asyncio.run(main(sys.argv[1], int(sys.argv[2])))
+    """
+)
+
+
+async def test_disk_kill_9_during_writes_never_serves_a_corrupt_chunk(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    per_round = 100_000  # round r writes chunks r * per_round, r * per_round + 1, ...
+    rounds = temp_files_at_kill = 0
+    # At least 3 kills, and more until one lands mid-write (a temp file is left): almost always at once.
+    while rounds < 3 or (temp_files_at_kill == 0 and rounds < 8):
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", _WRITER, str(root), str(rounds * per_round), stdout=subprocess.PIPE
+        )
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), 20) == b"writing\n"
+        await asyncio.sleep(random.uniform(0.05, 0.2))
+        proc.send_signal(signal.SIGKILL)
+        await proc.wait()
+        temp_files_at_kill += len(files(root, "*.tmp"))
+        rounds += 1
+    assert temp_files_at_kill > 0
+
+    tier = DiskTier(root, 1 << 40)
+    await tier.start()
+    assert not files(root, "*.tmp")
+    bases = kill_test_bases()
+    served = 0
+    for r in range(rounds):
+        for i in range(r * per_round, r * per_round + 5_000):
+            got = await tier.get(key(i))
+            if got is not None:
+                assert bytes(got) == kill_test_payload(i, bases), f"chunk {i} served with wrong content"
+                served += 1
+    assert served == tier.stats().entries == len(files(root, "*.kv")) >= rounds * 8
+    assert tier.stats().corrupt == 0
+    await tier.close()
+
+
+# -- store
+
+
+class GatedTier(MemoryTier):
+    """A memory tier whose writes wait for a gate: a slow lower tier."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 30, name=name)
+        self.gate = asyncio.Event()
+
+    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
+        await self.gate.wait()
+        return await super().put_many(items)
+
+
+async def test_store_lookup_is_the_longest_consecutive_prefix_across_tiers(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    store = TieredStore([memory, disk])
+    await store.start()
+    keys = [key(i) for i in range(6)]
+    memory.put_sync(keys[0], b"0")
+    memory.put_sync(keys[2], b"2")
+    await disk.put(keys[1], b"1")
+    await disk.put(keys[2], b"2")
+    await disk.put(keys[3], b"3")
+    await disk.put(keys[5], b"5")  # after a hole: not part of the prefix
+    # Each run is attributed to the highest tier holding its first chunk (2 is in both).
+    assert await store.lookup(keys) == (4, ["memory", "disk", "disk", "disk"])
+    assert await store.lookup(keys[4:]) == (0, [])
+    assert await store.lookup([]) == (0, [])
+    got = await store.get(keys)
+    assert [bytes(g) for g in got] == [b"0", b"1", b"2", b"3"]
+    # Lower-tier hits were promoted: memory now serves the whole prefix.
+    assert memory.contains_sync(keys) == 4 and store.stats().promotions == 2
+    assert await store.lookup(keys) == (4, ["memory"] * 4)
+    await store.stop()
+
+
+async def test_store_get_stops_at_a_corrupt_chunk(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    store = TieredStore([memory, disk])
+    await store.start()
+    keys = [key(i) for i in range(3)]
+    for i, k in enumerate(keys):
+        await disk.put(k, payload(i, 300))
+    path = chunk_path(tmp_path, keys[1])
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(raw)
+    assert (await store.lookup(keys))[0] == 3  # the index cannot know before reading
+    got = await store.get(keys)
+    assert [bytes(g) for g in got] == [payload(0, 300)]
+    assert (await store.lookup(keys))[0] == 1 and disk.stats().corrupt == 1
+    await store.stop()
+
+
+async def test_store_put_writes_memory_now_and_lower_tiers_through_the_queue(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    store = TieredStore([memory, disk], write_queue_size=16)
+    await store.start()
+    keys = [key(i) for i in range(5)]
+    data = [bytearray(payload(i, 1000)) for i in range(5)]
+    assert store.put(keys, data) == 5
+    for buf in data:
+        buf[:] = bytes(len(buf))  # the caller reuses its buffers: stored chunks must not change
+    assert memory.contains_sync(keys) == 5
+    await store.flush()
+    assert await disk.contains(keys) == 5
+    assert [bytes(g or b"") for g in await disk.get_many(keys)] == [payload(i, 1000) for i in range(5)]
+    await store.stop()
+    assert memory.stats().entries == 0  # stop closed the tiers
+
+
+async def test_store_full_write_queue_drops_and_counts_without_blocking() -> None:
+    memory, slow = MemoryTier(1 << 20), GatedTier("slow")
+    store = TieredStore([memory, slow], write_queue_size=2, write_batch=1)
+    await store.start()
+    keys = [key(i) for i in range(10)]
+    started = time.perf_counter()
+    assert store.put(keys, [payload(i, 100) for i in range(10)]) == 10
+    assert time.perf_counter() - started < 0.5
+    stats = store.stats()
+    assert stats.queue_drops == {"slow": 8} and stats.queued == {"slow": 2}
+    await asyncio.sleep(0)  # the writer takes one and waits at the gate; one more fits now
+    assert store.put([key(10)], [b"x"]) == 1 and store.stats().queue_drops == {"slow": 8}
+    slow.gate.set()
+    await store.flush()
+    assert slow.stats().entries == 3 and await slow.contains([key(0), key(1)]) == 2
+    assert store.memory.contains_sync(keys) == 10
+    await store.stop()
+
+
+async def test_store_rejects_a_store_without_memory_first(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="MemoryTier first"):
+        TieredStore([DiskTier(tmp_path, 1)])
+    with pytest.raises(ValueError, match="unique"):
+        TieredStore([MemoryTier(1), MemoryTier(1)])
