@@ -8,20 +8,24 @@ Each block size runs in its own child process (so its RSS is its own), which:
 1. *builds* the index up to ``--entries`` (the index's ``max_entries`` too), shaped like a busy fleet:
    ``--locations`` engines plus ``--cache-nodes`` cache-tier nodes; 400 shared system-prompt chains of 8-64
    blocks, each on 4-32 engines; then conversations (a shared prefix + 8-256 blocks of their own) on one
-   engine in GPU, 25% of them also in that engine's CPU tier, 20% also on a cache node in DISK. Every store
-   carries engine hashes, as vLLM's events do. Keys here are random 64-bit ints chained per conversation
-   (hashing the tokens of millions of synthetic blocks would only slow the build; the index cannot tell);
+   engine in GPU, 25% of them also in that engine's CPU tier (same engine hashes, as vLLM's offloading
+   keeps them), 20% also on a cache node in DISK. Every store carries engine hashes, as KV events do.
+   These keys are random 64-bit ints (hashing the tokens of millions of synthetic blocks would only slow the
+   build; the index cannot tell);
 2. stores the *lookup prompts*' real keys (``BlockKeyer``) last: 20 system prompts of 2-4k tokens on 16-64
    engines in GPU, and 100 documents of 8-24k tokens after them, each on 1-4 engines with 30-100% of their
    blocks in GPU (one also keeping more of them in CPU) and half of them on a cache node in DISK;
 3. times ``--lookups`` lookups of ``--prompt-tokens``-token prompts: system prompt + document + a tail never
    indexed. Per lookup: ``keyer.keys(tokens)`` (a list of ints, as the tokenizer gives) and
-   ``index.lookup(keys)``, separately and together (``time.perf_counter_ns``). Also timed: keys from a
-   pre-packed ``array('I')`` (the hashing alone) and a worst case, a prompt held in full by all engines;
-4. reports build time, RSS growth per entry (``/proc/self/status`` VmRSS before and after the build) and
-   the index's own estimate.
+   ``index.lookup(keys)``, separately and together, in wall time (``perf_counter_ns``) and in the thread's
+   CPU time (``thread_time_ns``: on this shared machine, wall time also counts waits for a core). Also
+   timed: keys from a pre-packed ``array('I')`` (the hashing alone) and a worst case, a prompt held in full
+   by all engines; and the machine's busy share and the full GC collections during the lookups;
+4. reports build time, RSS growth per entry (``/proc/self/status`` VmRSS before and after the build), the
+   index's own estimate, and what a full ``gc.collect()`` costs before and after the build (the difference
+   is the index's share: the process also holds the lookup prompts' token lists).
 
-Lookups refresh LRU recency and never store, so the index stays at its bound. The garbage collector stays on,
+Lookups make blocks young and never store, so the index stays at its bound. The garbage collector stays on,
 as in the router. Results: a table on stdout and ``bench-results/index_lookup.json``.
 
     .venvs/dev/bin/python benchmarks/index_lookup.py [--entries N] [--locations N] [--prompt-tokens N]
@@ -42,7 +46,7 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine
+from machine_info import machine, machine_cpu_ticks
 from rich.console import Console
 from rich.table import Table
 
@@ -60,6 +64,16 @@ def rss_bytes() -> int:
     raise RuntimeError("no VmRSS in /proc/self/status")
 
 
+def full_gc_ms() -> list[float]:
+    """Two full collections' durations: the first also untracks what it can, the second is steady state."""
+    out = []
+    for _ in range(2):
+        t0 = time.perf_counter()
+        gc.collect()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
 def percentiles(ns: list[int]) -> dict[str, float]:
     """p50/p99/max in microseconds."""
     s = sorted(ns)
@@ -71,19 +85,23 @@ def percentiles(ns: list[int]) -> dict[str, float]:
 
 
 class Fleet:
-    """Location names and the random choices of the build."""
+    """Location names, their engine hashes, and the random choices of the build."""
 
     def __init__(self, rng: random.Random, engines: int, cache_nodes: int) -> None:
         self.rng = rng
         self.engines = [f"http://10.0.{i // 200}.{i % 200 + 10}:8000" for i in range(engines)]
         self.cache_nodes = [f"cache://node-{i}" for i in range(cache_nodes)]
+        self._salt = {loc: rng.getrandbits(64) for loc in self.engines + self.cache_nodes}
 
-    def hashes(self, n: int) -> list[int]:
-        bits = self.rng.getrandbits
-        return [bits(64) for _ in range(n)]
+    def hashes(self, location: str, keys: list[int]) -> list[int]:
+        """The location's own hash of each block: the same block always gets the same hash there (like an
+        engine with a fixed hash seed), and another location's differs."""
+        salt = self._salt[location]
+        return [k ^ salt for k in keys]
 
     def keys(self, n: int) -> list[int]:
-        return self.hashes(n)  # synthetic block keys: random 64-bit ints, like xxh3 output
+        bits = self.rng.getrandbits
+        return [bits(64) for _ in range(n)]  # synthetic block keys: random 64-bit ints, like xxh3 output
 
 
 def build_filler(index: PrefixIndex, fleet: Fleet, target: int) -> int:
@@ -93,18 +111,20 @@ def build_filler(index: PrefixIndex, fleet: Fleet, target: int) -> int:
     stores = 0
     for chain in shared:
         for loc in rng.sample(fleet.engines, rng.randint(4, min(32, len(fleet.engines)))):
-            index.store(loc, chain, Tier.GPU, fleet.hashes(len(chain)))
+            index.store(loc, chain, Tier.GPU, fleet.hashes(loc, chain))
             stores += 1
     while len(index) < target:
         keys = rng.choice(shared) + fleet.keys(rng.randint(8, 256))
         engine = rng.choice(fleet.engines)
-        index.store(engine, keys, Tier.GPU, fleet.hashes(len(keys)))
+        hashes = fleet.hashes(engine, keys)
+        index.store(engine, keys, Tier.GPU, hashes)
         stores += 1
-        if rng.random() < 0.25:
-            index.store(engine, keys, Tier.CPU, fleet.hashes(len(keys)))
+        if rng.random() < 0.25:  # offloaded to the engine's CPU tier (vLLM keeps the block hashes)
+            index.store(engine, keys, Tier.CPU, hashes)
             stores += 1
         if fleet.cache_nodes and rng.random() < 0.2:
-            index.store(rng.choice(fleet.cache_nodes), keys, Tier.DISK, fleet.hashes(len(keys)))
+            node = rng.choice(fleet.cache_nodes)
+            index.store(node, keys, Tier.DISK, fleet.hashes(node, keys))
             stores += 1
     return stores
 
@@ -122,7 +142,7 @@ def store_prompts(
     for system in systems:
         keys = keyer.keys(system)
         for loc in rng.sample(fleet.engines, rng.randint(min(16, n_engines), n_engines)):
-            index.store(loc, keys, Tier.GPU, fleet.hashes(len(keys)))
+            index.store(loc, keys, Tier.GPU, fleet.hashes(loc, keys))
     pairs = []
     for d, doc in enumerate(docs):
         s = rng.randrange(len(systems))
@@ -130,42 +150,65 @@ def store_prompts(
         keys = keyer.keys(systems[s] + doc)
         for i, loc in enumerate(rng.sample(fleet.engines, rng.randint(1, min(4, n_engines)))):
             held = int(len(keys) * rng.uniform(0.3, 1.0))
-            index.store(loc, keys[:held], Tier.GPU, fleet.hashes(held))
+            hashes = fleet.hashes(loc, keys)
+            index.store(loc, keys[:held], Tier.GPU, hashes[:held])
             if i == 0:
-                index.store(loc, keys, Tier.CPU, fleet.hashes(len(keys)))
+                index.store(loc, keys, Tier.CPU, hashes)
         if fleet.cache_nodes and rng.random() < 0.5:
-            index.store(rng.choice(fleet.cache_nodes), keys, Tier.DISK, fleet.hashes(len(keys)))
+            node = rng.choice(fleet.cache_nodes)
+            index.store(node, keys, Tier.DISK, fleet.hashes(node, keys))
     return pairs
 
 
 def time_lookups(
     index: PrefixIndex, keyer: BlockKeyer, prompts: list[list[int]], lookups: int
 ) -> dict[str, Any]:
-    key_ns, lookup_ns, total_ns, packed_ns = [], [], [], []
+    """Wall and CPU time of keys and lookup per prompt, GC pauses, and the machine's busy share meanwhile."""
+    wall: dict[str, list[int]] = {"keys": [], "lookup": [], "total": [], "keys_prepacked": []}
+    cpu: dict[str, list[int]] = {"keys": [], "lookup": [], "total": []}
     matched_locations, deepest = [], []
-    clock = time.perf_counter_ns
-    for j in range(lookups):
-        prompt = prompts[j % len(prompts)]
-        t0 = clock()
-        keys = keyer.keys(prompt)
-        t1 = clock()
-        found = index.lookup(keys)
-        t2 = clock()
-        key_ns.append(t1 - t0)
-        lookup_ns.append(t2 - t1)
-        total_ns.append(t2 - t0)
-        matched_locations.append(len(found))
-        deepest.append(max((m.blocks for m in found.values()), default=0))
-        if j % 10 == 0:
-            packed = array("I", prompt)
-            t3 = clock()
-            keyer.keys(packed)
-            packed_ns.append(clock() - t3)
+    gc_pauses: list[int] = []
+    gc_started = [0]
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter_ns()
+        elif info["generation"] == 2:
+            gc_pauses.append(time.perf_counter_ns() - gc_started[0])
+
+    clock, cpu_clock = time.perf_counter_ns, time.thread_time_ns
+    gc.callbacks.append(on_gc)
+    busy0, all0 = machine_cpu_ticks()
+    try:
+        for j in range(lookups):
+            prompt = prompts[j % len(prompts)]
+            c0, t0 = cpu_clock(), clock()
+            keys = keyer.keys(prompt)
+            c1, t1 = cpu_clock(), clock()
+            found = index.lookup(keys)
+            c2, t2 = cpu_clock(), clock()
+            wall["keys"].append(t1 - t0)
+            wall["lookup"].append(t2 - t1)
+            wall["total"].append(t2 - t0)
+            cpu["keys"].append(c1 - c0)
+            cpu["lookup"].append(c2 - c1)
+            cpu["total"].append(c2 - c0)
+            matched_locations.append(len(found))
+            deepest.append(max((m.blocks for m in found.values()), default=0))
+            if j % 10 == 0:
+                packed = array("I", prompt)
+                t3 = clock()
+                keyer.keys(packed)
+                wall["keys_prepacked"].append(clock() - t3)
+    finally:
+        gc.callbacks.remove(on_gc)
+    busy1, all1 = machine_cpu_ticks()
     return {
-        "keys": percentiles(key_ns),
-        "keys_prepacked": percentiles(packed_ns),
-        "lookup": percentiles(lookup_ns),
-        "total": percentiles(total_ns),
+        "wall": {name: percentiles(ns) for name, ns in wall.items()},
+        "cpu": {name: percentiles(ns) for name, ns in cpu.items()},
+        "machine_busy_pct": round(100 * (busy1 - busy0) / max(1, all1 - all0), 1),
+        "gc_full_collections": len(gc_pauses),
+        "gc_full_max_ms": max(gc_pauses, default=0) / 1e6,
         "blocks_per_prompt": len(keyer.keys(prompts[0])),
         "locations_matched_mean": sum(matched_locations) / len(matched_locations),
         "deepest_match_mean_blocks": sum(deepest) / len(deepest),
@@ -180,7 +223,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     systems = [tokens(rng, rng.randint(2048, 4096)) for _ in range(20)]
     docs = [tokens(rng, rng.randint(8192, 24576)) for _ in range(100)]
     tails = [tokens(rng, args.prompt_tokens) for _ in range(4)]
-    gc.collect()
+    gc_before_ms = full_gc_ms()
     rss0 = rss_bytes()
     index = PrefixIndex(max_entries=args.entries)
     t0 = time.perf_counter()
@@ -188,7 +231,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     filler_stores = build_filler(index, fleet, args.entries - args.entries // 200)
     pairs = store_prompts(index, fleet, keyer, systems, docs)
     build_s = time.perf_counter() - t0
-    gc.collect()
+    gc_after_ms = full_gc_ms()
     rss1 = rss_bytes()
     stats = index.stats()
 
@@ -201,7 +244,7 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
     full = tokens(rng, args.prompt_tokens)
     full_keys = keyer.keys(full)
     for loc in fleet.engines:
-        index.store(loc, full_keys, Tier.GPU, fleet.hashes(len(full_keys)))
+        index.store(loc, full_keys, Tier.GPU, fleet.hashes(loc, full_keys))
     worst = time_lookups(index, keyer, [full], max(200, args.lookups // 10))
     return {
         "block_size": args.block_size,
@@ -217,6 +260,8 @@ def run_child(args: argparse.Namespace) -> dict[str, Any]:
         "rss_bytes_per_entry": (rss1 - rss0) / stats.entries,
         "approx_bytes_per_entry": stats.approx_bytes / stats.entries,
         "rss_total_bytes": rss1,
+        "full_gc_ms_before_build": gc_before_ms,
+        "full_gc_ms_after_build": gc_after_ms,
         "mixed": mixed,
         "all_engines_full": worst,
     }
@@ -269,27 +314,38 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         results.append(json.loads(done.stdout))
 
-    table = Table(title=f"Prefix index: {args.prompt_tokens}-token prompts, {args.lookups} lookups each")
-    for col in ("block size", "scenario", "blocks", "locs matched", "keys p50/p99 µs", "keys pre-packed p50",
-                "lookup p50/p99/max µs", "keys+lookup p50/p99/max µs"):  # fmt: skip
+    table = Table(title=f"Prefix index: {args.prompt_tokens}-token prompts; wall µs unless marked CPU")
+    for col in ("block size", "scenario", "blocks", "locs matched", "keys p50 / p99", "keys pre-packed p50",
+                "lookup p50 / p99 / max", "keys+lookup p50 / p99 / max", "CPU lookup p99",
+                "CPU keys+lookup p99", "full GCs", "machine busy%"):  # fmt: skip
         table.add_column(col, justify="right")
+
+    def p3(d: dict[str, float]) -> str:
+        return f"{d['p50_us']:.0f} / {d['p99_us']:.0f} / {d['max_us']:.0f}"
+
     for r in results:
         for name in ("mixed", "all_engines_full"):
             m = r[name]
+            wall, cpu = m["wall"], m["cpu"]
             table.add_row(
                 str(r["block_size"]),
                 name,
                 str(m["blocks_per_prompt"]),
                 f"{m['locations_matched_mean']:.1f}",
-                f"{m['keys']['p50_us']:.0f} / {m['keys']['p99_us']:.0f}",
-                f"{m['keys_prepacked']['p50_us']:.0f}",
-                f"{m['lookup']['p50_us']:.0f} / {m['lookup']['p99_us']:.0f} / {m['lookup']['max_us']:.0f}",
-                f"{m['total']['p50_us']:.0f} / {m['total']['p99_us']:.0f} / {m['total']['max_us']:.0f}",
+                f"{wall['keys']['p50_us']:.0f} / {wall['keys']['p99_us']:.0f}",
+                f"{wall['keys_prepacked']['p50_us']:.0f}",
+                p3(wall["lookup"]),
+                p3(wall["total"]),
+                f"{cpu['lookup']['p99_us']:.0f}",
+                f"{cpu['total']['p99_us']:.0f}",
+                f"{m['gc_full_collections']} ({m['gc_full_max_ms']:.0f} ms)",
+                f"{m['machine_busy_pct']}",
             )
     console.print(table)
     build = Table(title="Build and memory")
     for col in ("block size", "entries", "blocks", "locations", "engine hashes", "build s", "µs/entry",
-                "RSS growth GB", "RSS B/entry", "stats() B/entry"):  # fmt: skip
+                "RSS growth GB", "RSS B/entry", "stats() B/entry",
+                "gc.collect() ms before build (x2) / after (x2)"):  # fmt: skip
         build.add_column(col, justify="right")
     for r in results:
         build.add_row(
@@ -303,6 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['rss_growth_bytes'] / 1e9:.2f}",
             f"{r['rss_bytes_per_entry']:.0f}",
             f"{r['approx_bytes_per_entry']:.0f}",
+            " / ".join(f"{ms:.0f}" for ms in (*r["full_gc_ms_before_build"], *r["full_gc_ms_after_build"])),
         )
     console.print(build)
     args.results.parent.mkdir(parents=True, exist_ok=True)

@@ -10,10 +10,13 @@ import sys
 import textwrap
 import tracemalloc
 from array import array
+from collections import Counter
 
 import pytest
 
 from kvstack.index import BlockKeyer, PrefixIndex, PrefixMatch, Tier
+from kvstack.index.bits import one_bits
+from kvstack.index.block_table import BlockTable, KeyQueue
 
 NS = "tiny-llama|"
 
@@ -366,6 +369,7 @@ def test_random_workload_matches_a_brute_force_model() -> None:
         chain = rng.choice(chains)
         assert index.lookup(chain) == _reference_lookup(held, chain)
         assert index.stats().entries == len(held)
+    _check_consistent(index)
 
 
 # -- the bound
@@ -396,6 +400,26 @@ def test_evicting_a_block_evicts_every_location_holding_it() -> None:
     assert index.key_for_hash("a", 12) is None and index.key_for_hash("b", 22) is None
 
 
+def _check_consistent(index: PrefixIndex) -> None:
+    """Every mask bit is a membership and back, every engine hash maps to a member, the count adds up."""
+    locations = index._locations.values()
+    blocks = {**index._blocks.old, **index._blocks.young}
+    assert len(blocks) == len(index._blocks)
+    holders = index._holders
+    assert Counter(blocks.values()) == {hid: n for hid, n in enumerate(holders._uses) if n}
+    assert len(holders) == len(set(blocks.values()))
+    held = 0
+    for key, hid in blocks.items():
+        g, c, d, r = holders.masks[hid]
+        for bit in one_bits(g | c | d | r):
+            assert key in index._by_bit[bit].members
+            held += 1
+    assert held == index.stats().entries == sum(len(loc.members) for loc in locations)
+    for loc in locations:
+        assert all(key in blocks for key in loc.members)
+        assert all(loc.members.get(key) is not None for key in loc.by_hash.values())
+
+
 def test_entries_and_hash_maps_stay_bounded_under_a_long_random_workload() -> None:
     rng = random.Random(11)
     bound = 2_000
@@ -423,6 +447,9 @@ def test_entries_and_hash_maps_stay_bounded_under_a_long_random_workload() -> No
         assert stats.engine_hashes <= stats.entries * 4
         assert stats.blocks <= stats.entries
         assert stats.locations <= len(locations)
+        if step % 500 == 0:
+            _check_consistent(index)
+    _check_consistent(index)
     stats = index.stats()
     assert stats.evicted_entries > 5 * bound
     assert stats.entries > bound * 0.9
@@ -453,6 +480,12 @@ def test_memory_stays_flat_over_repeated_fill_evict_cycles() -> None:
     assert index.stats().engine_hashes <= 10_000
     full = max(after[:2])
     assert max(after[2:]) < full * 1.1, [f"{b / 1e6:.2f} MB" for b in after]
+    # The per-block containers hold only ints: a full GC never walks them, however many blocks there are.
+    containers = [
+        *index._blocks.containers(),
+        *(d for loc in index._locations.values() for d in (loc.members, loc.by_hash)),
+    ]
+    assert not any(gc.is_tracked(c) for c in containers if not isinstance(c, KeyQueue))
 
 
 def test_a_block_keeps_its_newest_engine_hashes_only() -> None:
@@ -465,17 +498,71 @@ def test_a_block_keeps_its_newest_engine_hashes_only() -> None:
     assert index.stats().engine_hashes == 0
 
 
-def test_unused_mask_tuples_are_purged() -> None:
+def test_holder_sets_are_shared_and_freed_when_unused() -> None:
     index = PrefixIndex()
     locations = [f"l{j}" for j in range(12)]
-    for tier in (Tier.GPU, Tier.CPU, Tier.DISK):  # 4,095 distinct holder sets per tier
+    for tier in (Tier.GPU, Tier.CPU):  # 4,095 distinct holder sets per tier
         for k in range(1, 4096):
             for j in range(12):
                 if k >> j & 1:
                     index.store(locations[j], [tier * 10_000 + k], tier)
-        assert index.stats().mask_tuples >= 4095
-        for loc in locations:
+        assert index.stats().holder_sets == 4095
+        _check_consistent(index)
+        index.clear_location(locations[0])
+        _check_consistent(index)
+        for loc in locations[1:]:
             index.clear_location(loc)
-    stats = index.stats()
-    assert (stats.blocks, stats.entries, stats.locations) == (0, 0, 0)
-    assert stats.mask_tuples < 2 * 4096  # without the purge: 3 x 4,095
+        assert index.stats().holder_sets == 0
+    index.store("a", list(range(100)))
+    index.store("b", list(range(50)))
+    assert index.stats().holder_sets == 2  # {a, b} for blocks 0-49, {a} for 50-99
+    _check_consistent(index)
+
+
+# -- the two-generation LRU table under the index
+
+
+def test_key_queue_is_fifo_across_compactions() -> None:
+    queue = KeyQueue([2**64 - 1, 0])
+    for k in range(1, 20_000):
+        queue.append(k)
+    got = [queue.popleft() for _ in range(15_000)]
+    assert got == [2**64 - 1, 0, *range(1, 14_999)]
+    queue.append(7)
+    assert len(queue) == 5_002
+    assert [queue.popleft() for _ in range(5_002)] == [*range(14_999, 20_000), 7]
+    with pytest.raises(IndexError):
+        queue.popleft()
+
+
+def test_block_table_evicts_untouched_keys_first_in_entry_order() -> None:
+    table: BlockTable[str] = BlockTable()
+    for k in range(6):
+        table.touch(k, f"v{k}")
+    assert table.pop_oldest() == (0, "v0")  # first eviction: the young generation becomes old
+    table.touch(1, "v1")  # touched since the swap: young again, evicted after all of old
+    table.update(2, "v2'")  # a value change is not a touch
+    table.promote(3)
+    assert [table.pop_oldest()[0] for _ in range(5)] == [2, 4, 5, 1, 3]
+    assert len(table) == 0
+    with pytest.raises(KeyError):
+        table.pop_oldest()
+
+
+def test_block_table_order_stays_bounded_under_churn_without_eviction() -> None:
+    table: BlockTable[int] = BlockTable()
+    for k in range(100_000):  # store/remove churn below the bound: nothing is ever evicted
+        table.touch(k, k)
+        if k >= 10:
+            table.delete(k - 10)
+    assert len(table) == 10
+    assert len(table._young_order) <= 2 * 10 + 4096 + 1
+    assert [table.pop_oldest()[0] for _ in range(10)] == list(range(99_990, 100_000))
+
+
+def test_store_refuses_keys_outside_64_bits_and_changes_nothing() -> None:
+    index = PrefixIndex()
+    for bad in ([1, -1], [2**64, 1]):
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            index.store("a", bad)
+    assert (index.stats().entries, index.stats().blocks, index.locations()) == (0, 0, [])

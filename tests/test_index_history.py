@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+from array import array
+
 import pytest
 
 from kvstack.index import HistoryIndex
@@ -88,3 +91,24 @@ def test_many_locations() -> None:
 def test_bad_bounds_are_refused(kwargs: dict[str, float], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         HistoryIndex(**kwargs)  # type: ignore[arg-type]
+
+
+def test_resending_the_same_blocks_keeps_memory_bounded() -> None:
+    history = HistoryIndex(max_blocks_per_location=1_000, ttl_s=1e9)
+    keys = list(range(100))
+    for t in range(2_000):  # the same prompt again and again: only the send times change
+        history.record("a", keys, now=float(t))
+    loc = history._locations["a"]
+    assert len(loc.sent) == 100
+    assert len(loc._keys) - loc._head <= 2 * 100 + 4096 + 100
+    assert history.lookup(keys, now=2_000.0) == {"a": 100}
+    assert history.stats().entries == 100
+
+
+def test_history_containers_are_invisible_to_the_garbage_collector() -> None:
+    history = HistoryIndex()
+    for i in range(8):
+        history.record(f"loc{i}", list(range(i, i + 500)), now=1.0)
+    loc = history._locations["loc0"]
+    assert not gc.is_tracked(history._masks) and not gc.is_tracked(loc.sent)  # dicts of ints and floats
+    assert isinstance(loc._keys, array) and isinstance(loc._times, array)  # no references to walk

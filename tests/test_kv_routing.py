@@ -157,6 +157,12 @@ async def test_cold_serial_prompts_spread_over_the_engines(kv_stack: KVStack) ->
     assert sorted(picks.values()) == [5, 5]
 
 
+async def test_out_of_range_token_ids_get_the_engines_error_not_a_router_crash(kv_stack: KVStack) -> None:
+    for prompt in ([-1, 5, 7], [5, 2**40]):
+        status, _ = await kv_stack.post("/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert status == 400
+
+
 async def test_metrics_report_kv_events(kv_stack: KVStack) -> None:
     await kv_stack.complete(LONG)
     await _until(lambda: kv_stack.router.locator.index.stats().entries > 0)
@@ -306,3 +312,60 @@ def test_no_hit_lru_prefers_the_least_recently_used_for_cold_prompts_only() -> N
     assert scores["x"] == scores["y"] > scores["z"] == 0.0
     warm = PrefixView(prompt_tokens=100, precise={"a": (16, 16, 16, 16)})
     assert NoHitLRUScorer().score(_request(warm), CycleState(0.0), engines) == {}
+
+
+# -- cache-server events ----------------------------------------------------------------------------------
+
+
+async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
+    from kvstack.engines.kv_events import BlockStored
+    from kvstack.router.kv_feeds import CacheEvents
+    from kvstack.sim.event_publisher import KVEventPublisher
+
+    engines = await _sims(2, kv_events=True)
+    chunk = 64
+    async with KVEventPublisher(f"tcp://127.0.0.1:{free_port()}") as cache:
+        cache_events = CacheEvents(cache.endpoint, node="node-a")
+        router = await start_router(
+            RouterOptions(
+                port=free_port(),
+                engines=[Endpoint(engines[0].url, node="node-a"), Endpoint(engines[1].url, node="node-b")],
+                routing="kv-aware",
+                cache_events=[cache_events],
+            )
+        )
+        try:
+            locator = router.locator
+            assert locator is not None
+            await _until(lambda: all(e.state.endpoint.models for e in router.app.registry))
+            tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
+            assert tokens is not None and len(tokens) > 4 * chunk
+            cpu = BlockStored(
+                block_hashes=[1, 2], parent_block_hash=None, token_ids=list(tokens[: 2 * chunk]),
+                block_size=chunk, medium="CPU",
+            )  # fmt: skip
+            remote = BlockStored(
+                block_hashes=[3], parent_block_hash=2, token_ids=list(tokens[2 * chunk : 3 * chunk]),
+                block_size=chunk, medium="REMOTE",
+            )  # fmt: skip
+            states = router.app.registry.states()
+            near, far = engines[0].url, engines[1].url
+            # The subscription is asynchronous: publish until the chunks are indexed.
+            async with asyncio.timeout(10):
+                while cache_events.location not in locator.index.locations():
+                    cache.publish([cpu, remote])
+                    cache.flush()
+                    await asyncio.sleep(0.05)
+            view = locator.lookup(tokens, states).view
+            # Near engine: CPU chunks then the REMOTE one (cumulative per tier gpu, cpu, disk, remote).
+            assert view.precise[near] == (0, 2 * chunk, 2 * chunk, 3 * chunk)
+            # Far engine: the REMOTE tier alone does not start at token 0, so nothing is credited.
+            assert view.precise.get(far, (0, 0, 0, 0)) == (0, 0, 0, 0)
+            status, engine = await KVStack(engines, router, aiohttp.ClientSession()).post(
+                "/v1/completions", {"prompt": LONG, "max_tokens": 1}
+            )
+            assert status == 200 and engine == near
+        finally:
+            await router.stop()
+            for e in engines:
+                await stop_engine(e)

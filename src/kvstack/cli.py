@@ -251,6 +251,13 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         help="do not subscribe to engines' KV events (prefix routing then uses the router's history)",
     )
     g.add_argument(
+        "--cache-events",
+        action="append",
+        default=[],
+        metavar="ENDPOINT[#node=N,replay=EP]",
+        help="a kvstack cache-server's chunk events: engines on its node get credit for the prefixes it has",
+    )
+    g.add_argument(
         "--index-max-entries",
         type=int,
         default=4_000_000,
@@ -283,6 +290,7 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
     from kvstack.engines.discovery import FileDiscovery, parse_engine_spec
     from kvstack.router.app import RouterConfig
     from kvstack.router.circuit import CircuitConfig
+    from kvstack.router.kv_feeds import CacheEvents
     from kvstack.router.proxy import RetryPolicy, Timeouts
     from kvstack.router.server import RouterOptions, serve_forever
     from kvstack.scheduling import ConfigError
@@ -293,6 +301,7 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
         if args.routing != "auto":
             load_routing(args.routing)  # fail fast on a bad preset or config file
         tokenizers = _tokenizer_dirs(args.tokenizer)
+        cache_events = [CacheEvents.parse(spec) for spec in args.cache_events]
     except (ValueError, ConfigError) as exc:
         print(f"kvstack router: {exc}", file=sys.stderr)
         return 2
@@ -334,6 +343,7 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
         remote_tokenize=args.remote_tokenize,
         kv_events=args.kv_events,
         index_max_entries=args.index_max_entries,
+        cache_events=cache_events,
     )
     if args.workers < 1:
         print("kvstack router: --workers must be at least 1", file=sys.stderr)

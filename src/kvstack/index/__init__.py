@@ -2,8 +2,10 @@
 
 - `BlockKeyer` (keys): kvstack's own chained 64-bit keys of token-id blocks, per model/LoRA namespace and
   block size; never vLLM's hashes.
-- `PrefixIndex` (prefix_index): exact knowledge from KV events, per-tier location bitmasks, one global LRU
-  bound on (location, block) entries; ``lookup`` gives each location's consecutive prefix per tier.
+- `PrefixIndex` (prefix_index): exact knowledge from KV events, per-tier location bitmasks, one global bound
+  on (location, block) entries with LRU eviction; ``lookup`` gives each location's consecutive prefix per
+  tier. Its parts: block_table (the two-generation LRU), holders (interned per-tier location masks), bits
+  (location bit allocation).
 - `HistoryIndex` (history): approximate knowledge from what the router sent where, per-location LRU bound
   and TTL, for engines that publish no events.
 

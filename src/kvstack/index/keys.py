@@ -7,8 +7,8 @@ and its seed (``PYTHONHASHSEED``), so two engines serving the same prompt can di
   ``namespace = f"{model}|{lora_name or ''}"``; block size is in the root, so engines with block size 16 and
   128 never share a key.
 - ``key_i = xxh3_64(tokens_i, seed=key_{i-1})`` with ``key_{-1} = root``, ``tokens_i`` the block's token ids
-  as little-endian uint32. Seeding with the parent key chains exactly like hashing ``parent || tokens`` (every
-  key depends on all the blocks before it) at half the cost: one C call per block, no concatenation.
+  as little-endian uint32. Seeding with the parent key chains like hashing ``parent || tokens`` would (every
+  key depends on all the blocks before it) at a third of the cost here: one C call per block, no copy.
 - Only full blocks get a key; a partial tail is ignored, as engines cache only full blocks.
 
 xxh3 is stable across processes and platforms (no ``PYTHONHASHSEED``), fast, and not cryptographic: a

@@ -6,13 +6,13 @@ from block 0, overall and per tier. One process, no locks: call it from one even
 
 Structures:
 
-- ``_blocks``: block key -> ``(gpu, cpu, disk, remote)`` location bitmasks, an ``OrderedDict`` in LRU order (a
-  store or a lookup hit moves a block to the end; eviction pops the front). A prompt's keys are refreshed last
-  block first, so block 0 is the most recent and a chain is evicted from its tail, never leaving a tail whose
+- ``_blocks``: block key -> holder-set id, in a ``BlockTable``: LRU at the resolution of a generation (a
+  store or a lookup hit makes a block young; eviction takes the old generation in order; see block_table). A
+  prompt's keys are touched last block first, so a chain is evicted from its tail, never leaving a tail whose
   prefix is gone.
-- The mask tuples are interned: all blocks held by the same locations in the same tiers (a whole conversation
-  on one engine) share one tuple, which saves memory and lets ``lookup`` skip a block whose tuple is the
-  previous block's (nothing can change there). Unused tuples are purged when the table doubles.
+- ``_holders``: holder-set id -> ``(gpu, cpu, disk, remote)`` location bitmasks, interned and counted (see
+  holders): all blocks held by the same locations in the same tiers (a whole conversation on one engine) share
+  one, and ``lookup`` skips a block whose id is the previous block's (nothing can change there).
 - Per location: a bit (reused once the location holds nothing; any number of locations), ``members``: key ->
   the engine hash(es) it was stored with, and ``by_hash``: engine hash -> key. ``members`` makes
   ``clear_location`` O(that location's entries) and lets an evicted block drop its hash mappings, so the hash
@@ -21,36 +21,34 @@ Structures:
 One bound: ``max_entries`` (location, block) pairs, whatever their tiers; past it the least recently used
 blocks are evicted with all their entries. Costs: ``lookup`` O(prompt blocks up to the longest match +
 matching locations); ``store``/``remove_*`` O(blocks given); ``clear_location`` O(that location's entries);
-eviction O(1) per block. Tuples and dicts of ints are untracked by the garbage collector, so millions of
-blocks cost no GC time. Memory and lookup times at 10 million entries: docs/benchmarks.md.
+eviction O(1) per block. Every big container holds only ints (dicts of ints, ``array('Q')``), which the
+garbage collector never tracks: millions of blocks add nothing to a full collection. Memory and lookup times
+at 10 million entries: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import sys
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Final, NamedTuple
 
 from kvstack.index.bits import BitAllocator, one_bits
+from kvstack.index.block_table import BlockTable
+from kvstack.index.holders import EMPTY, HolderTable, Masks
 
 __all__ = ["EngineHash", "IndexStats", "PrefixIndex", "PrefixMatch", "Tier"]
 
 EngineHash = int | bytes
 _Hashes = EngineHash | tuple[EngineHash, ...] | None  # what one (location, block) entry was stored with
-_Masks = tuple[int, int, int, int]  # location bitmask per tier, indexed by Tier
-
-_EMPTY: Final[_Masks] = (0, 0, 0, 0)
 # A block stored again at one location under several engine hashes (another KV-cache group, a re-store after
 # a partial removal) keeps at most this many, the newest; older ones become unknown to ``remove_hashes``.
 _MAX_HASHES_PER_ENTRY: Final = 4
-# Rough CPython 3.11 object sizes for ``stats().approx_bytes``: a 64-bit int.
+_KEY_LIMIT: Final = 2**64  # block keys are unsigned 64-bit (the LRU order keeps them in an array('Q'))
+# Rough CPython 3.11 object sizes for ``stats().approx_bytes``: a 64-bit int, a 4-tuple.
 _INT_BYTES: Final = 48
-# References to an interned mask tuple that no block uses: the table's key and value, the purge loop's
-# variable and sys.getrefcount's argument.
-_UNUSED_REFS: Final = 4
+_TUPLE_BYTES: Final = 80
 
 
 class Tier(IntEnum):
@@ -104,7 +102,7 @@ class IndexStats:
     evicted_entries: int
     evicted_blocks: int
     unknown_removals: int  # removals that matched no entry at that tier (unknown hash/key/location)
-    mask_tuples: int  # distinct interned (gpu, cpu, disk, remote) tuples
+    holder_sets: int  # distinct (gpu, cpu, disk, remote) location masks in use
     approx_bytes: int
 
 
@@ -125,9 +123,8 @@ class PrefixIndex:
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.max_entries = max_entries
-        self._blocks: OrderedDict[int, _Masks] = OrderedDict()
-        self._shared: dict[_Masks, _Masks] = {}  # interned mask tuples
-        self._purge_shared_at = 1024
+        self._blocks: BlockTable[int] = BlockTable()  # key -> holder-set id
+        self._holders = HolderTable()
         self._locations: dict[str, _Location] = {}
         self._by_bit: dict[int, _Location] = {}
         self._bits = BitAllocator()
@@ -149,7 +146,8 @@ class PrefixIndex:
         tier: Tier = Tier.GPU,
         engine_hashes: Sequence[EngineHash] | None = None,
     ) -> None:
-        """Record that ``location`` holds the blocks ``keys`` in ``tier`` (idempotent; refreshes recency).
+        """Record that ``location`` holds the blocks ``keys`` (ints in [0, 2**64), as ``BlockKeyer`` makes) in
+        ``tier``. Idempotent; makes the blocks young again.
 
         ``engine_hashes[i]``, when given, is the engine's hash of ``keys[i]``: remembered so that
         ``remove_hashes`` and ``key_for_hash`` can find the block.
@@ -158,21 +156,32 @@ class PrefixIndex:
             raise ValueError(f"{len(engine_hashes)} engine hashes for {len(keys)} keys: they must pair up")
         if not keys:
             return
+        if min(keys) < 0 or max(keys) >= _KEY_LIMIT:
+            raise ValueError("block keys must be ints in [0, 2**64), as BlockKeyer makes them")
         loc = self._location(location)
         bit, t = loc.bit, int(tier)
-        blocks, members, by_hash = self._blocks, loc.members, loc.by_hash
-        fresh = self._intern(_with(_EMPTY, t, add=bit))
-        added = 0
-        # Last block first: block 0 ends up the most recent, so eviction takes a chain from its tail.
+        blocks, holders, members, by_hash = self._blocks, self._holders, loc.members, loc.by_hash
+        young_get, masks_of = blocks.young.get, holders.masks
+        fresh = holders.acquire(_with(EMPTY, t, add=bit), uses=0)
+        new_blocks = added = 0
+        # Last block first: block 0 enters the young generation last, so eviction takes a chain from its tail.
         for i in range(len(keys) - 1, -1, -1):
             key = keys[i]
-            masks = blocks.get(key)
-            if masks is None:
-                blocks[key] = fresh
+            hid = young_get(key)
+            if hid is None:
+                hid = blocks.old.get(key)
+                if hid is None:
+                    blocks.touch(key, fresh)
+                    new_blocks += 1
+                else:
+                    masks = masks_of[hid]
+                    if not masks[t] & bit:
+                        hid = holders.replace(hid, _with(masks, t, add=bit))
+                    blocks.touch(key, hid)
             else:
+                masks = masks_of[hid]
                 if not masks[t] & bit:
-                    blocks[key] = self._intern(_with(masks, t, add=bit))
-                blocks.move_to_end(key)
+                    blocks.update(key, holders.replace(hid, _with(masks, t, add=bit)))
             h = None if engine_hashes is None else engine_hashes[i]
             if key not in members:
                 members[key] = h
@@ -181,6 +190,7 @@ class PrefixIndex:
                 members[key] = self._add_hash(loc, key, members[key], h)
             if h is not None:
                 by_hash[h] = key
+        holders.add_uses(fresh, new_blocks)  # counted at once (freed if no block took it)
         self._entries += added
         if self._entries > self.max_entries:
             self._evict()
@@ -227,14 +237,17 @@ class PrefixIndex:
         loc = self._locations.get(location)
         if loc is None:
             return 0
-        blocks, keep = self._blocks, ~loc.bit
+        blocks, holders, keep = self._blocks, self._holders, ~loc.bit
         for key in loc.members:
-            g, c, d, r = blocks[key]
+            hid = blocks.get(key)
+            assert hid is not None
+            g, c, d, r = holders.masks[hid]
             masks = (g & keep, c & keep, d & keep, r & keep)
-            if masks == _EMPTY:
-                del blocks[key]
+            if masks == EMPTY:
+                blocks.delete(key)
+                holders.release(hid)
             else:
-                blocks[key] = self._intern(masks)  # an existing key keeps its LRU position
+                blocks.update(key, holders.replace(hid, masks))
         removed = len(loc.members)
         self._entries -= removed
         loc.members.clear()
@@ -254,15 +267,20 @@ class PrefixIndex:
 
         Walks the keys once with a running mask of still-matching locations per tier (``a_t``: holding every
         block so far at tier ``t`` or better), and stops at the first block no remaining location holds. The
-        blocks walked (the longest match) become the most recent.
+        blocks matched (up to the longest match) become young.
         """
         if not keys:
             return {}
-        get = self._blocks.get
-        prev = get(keys[0])
+        young_get, old_get = self._blocks.young.get, self._blocks.old.get
+        masks_of = self._holders.masks
+        from_old: list[int] = []  # positions of the blocks found in the old generation
+        prev = young_get(keys[0])
         if prev is None:
-            return {}
-        g, c, d, r = prev
+            prev = old_get(keys[0])
+            if prev is None:
+                return {}
+            from_old.append(0)
+        g, c, d, r = masks_of[prev]
         a0 = g
         a1 = a0 | c
         a2 = a1 | d
@@ -272,14 +290,18 @@ class PrefixIndex:
         drops: list[tuple[int, int, int, int, int]] = []
         end = len(keys)
         for i in range(1, end):
-            masks = get(keys[i])
-            if masks is prev:  # same holders in the same tiers as the block before: nothing changes
+            key = keys[i]
+            hid = young_get(key)
+            if hid is None:
+                hid = old_get(key)
+                if hid is None:
+                    end = i
+                    break
+                from_old.append(i)
+            if hid == prev:  # same holders in the same tiers as the block before: nothing changes
                 continue
-            if masks is None:
-                end = i
-                break
-            prev = masks
-            g, c, d, r = masks
+            prev = hid
+            g, c, d, r = masks_of[hid]
             m0 = a0 & g
             g |= c
             m1 = a1 & g
@@ -292,13 +314,14 @@ class PrefixIndex:
                 if not m3:
                     end = i
                     break
-        move_to_end = self._blocks.move_to_end
-        for j in range(end - 1, -1, -1):  # blocks 0..end-1 matched somewhere; block 0 ends most recent
-            move_to_end(keys[j])
+        promote = self._blocks.promote
+        for i in reversed(from_old):  # blocks 0..end-1 matched somewhere: make them young, block 0 last
+            if i < end:
+                promote(keys[i])
         return self._matches(start, a3, drops, end)
 
     def _matches(
-        self, start: _Masks, alive: int, drops: list[tuple[int, int, int, int, int]], end: int
+        self, start: Masks, alive: int, drops: list[tuple[int, int, int, int, int]], end: int
     ) -> dict[str, PrefixMatch]:
         """Per-location prefix lengths from the positions where locations left the running masks.
 
@@ -343,11 +366,11 @@ class PrefixIndex:
         return list(self._locations)
 
     def stats(self) -> IndexStats:
-        """Counts and an estimate of the memory held (containers exactly, ints and shared tuples roughly)."""
+        """Counts and an estimate of the memory held (containers exactly, ints and holder sets roughly)."""
         hashes = sum(len(loc.by_hash) for loc in self._locations.values())
-        approx = sys.getsizeof(self._blocks) + sys.getsizeof(self._shared)
+        approx = sum(sys.getsizeof(c) for c in self._blocks.containers())
         approx += len(self._blocks) * _INT_BYTES  # the keys
-        approx += len(self._shared) * (sys.getsizeof(_EMPTY) + 2 * _INT_BYTES)
+        approx += len(self._holders) * (_TUPLE_BYTES + 3 * _INT_BYTES)
         for loc in self._locations.values():
             approx += sys.getsizeof(loc.members) + sys.getsizeof(loc.by_hash)
         approx += hashes * _INT_BYTES
@@ -359,7 +382,7 @@ class PrefixIndex:
             evicted_entries=self._evicted_entries,
             evicted_blocks=self._evicted_blocks,
             unknown_removals=self._unknown_removals,
-            mask_tuples=len(self._shared),
+            holder_sets=len(self._holders),
             approx_bytes=approx,
         )
 
@@ -381,18 +404,6 @@ class PrefixIndex:
         del self._by_bit[loc.bit]
         self._bits.give(loc.bit)
 
-    def _intern(self, masks: _Masks) -> _Masks:
-        shared = self._shared.get(masks)
-        if shared is not None:
-            return shared
-        if len(self._shared) >= self._purge_shared_at:
-            getrefcount = sys.getrefcount
-            for unused in [m for m in self._shared if getrefcount(m) <= _UNUSED_REFS]:
-                del self._shared[unused]
-            self._purge_shared_at = max(1024, 2 * len(self._shared))
-        self._shared[masks] = masks
-        return masks
-
     def _add_hash(self, loc: _Location, key: int, hashes: _Hashes, new: EngineHash) -> _Hashes:
         """``hashes`` plus ``new``: the newest ``_MAX_HASHES_PER_ENTRY``, the older ones' maps dropped."""
         if hashes is None or hashes == new:
@@ -409,10 +420,10 @@ class PrefixIndex:
 
     def _drop(self, loc: _Location, key: int, tier: Tier | None) -> bool:
         """Clear ``loc``'s bit of ``key`` in ``tier`` (None: all); False if it held nothing there."""
-        masks = self._blocks.get(key)
-        bit = loc.bit
-        if masks is None:
+        hid = self._blocks.get(key)
+        if hid is None:
             return False
+        masks, bit = self._holders.masks[hid], loc.bit
         if tier is None:
             if not (masks[0] | masks[1] | masks[2] | masks[3]) & bit:
                 return False
@@ -425,10 +436,11 @@ class PrefixIndex:
         if not (new[0] | new[1] | new[2] | new[3]) & bit:
             self._forget_entry(loc, key)
             self._entries -= 1
-        if new == _EMPTY:
-            del self._blocks[key]
+        if new == EMPTY:
+            self._blocks.delete(key)
+            self._holders.release(hid)
         else:
-            self._blocks[key] = self._intern(new)  # an existing key keeps its LRU position
+            self._blocks.update(key, self._holders.replace(hid, new))
         return True
 
     def _forget_entry(self, loc: _Location, key: int) -> None:
@@ -442,9 +454,11 @@ class PrefixIndex:
                 del by_hash[h]
 
     def _evict(self) -> None:
-        blocks, by_bit = self._blocks, self._by_bit
+        blocks, holders, by_bit = self._blocks, self._holders, self._by_bit
         while self._entries > self.max_entries:
-            key, (g, c, d, r) = blocks.popitem(last=False)
+            key, hid = blocks.pop_oldest()
+            g, c, d, r = holders.masks[hid]
+            holders.release(hid)
             self._evicted_blocks += 1
             for bit in one_bits(g | c | d | r):
                 loc = by_bit[bit]
@@ -454,7 +468,7 @@ class PrefixIndex:
                 self._release_if_empty(loc)
 
 
-def _with(masks: _Masks, tier: int, add: int = 0, remove: int = 0) -> _Masks:
+def _with(masks: Masks, tier: int, add: int = 0, remove: int = 0) -> Masks:
     """``masks`` with the bits ``add`` set and ``remove`` cleared in ``tier``."""
     g, c, d, r = masks
     if tier == 0:

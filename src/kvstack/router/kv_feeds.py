@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import zmq.asyncio
@@ -22,7 +23,34 @@ from kvstack.router.prefix import PrefixLocator
 
 log = logging.getLogger(__name__)
 
-__all__ = ["KVEventFeeds"]
+__all__ = ["CacheEvents", "KVEventFeeds"]
+
+
+@dataclass(frozen=True, slots=True)
+class CacheEvents:
+    """A KV cache server's event stream (``kvstack cache-server --events``) and the node it runs on."""
+
+    endpoint: str
+    node: str | None = None
+    replay_endpoint: str | None = None
+
+    @property
+    def location(self) -> str:
+        return f"cache+{self.endpoint}"
+
+    @classmethod
+    def parse(cls, spec: str) -> CacheEvents:
+        """``tcp://host:port[#node=N,replay=tcp://host:port]``; ValueError names what is wrong."""
+        endpoint, _, options = spec.partition("#")
+        if not endpoint.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"cache events {spec!r}: the endpoint must be tcp://host:port or ipc://path")
+        fields: dict[str, str] = {}
+        for part in filter(None, options.split(",")):
+            key, sep, value = part.partition("=")
+            if not sep or key not in ("node", "replay"):
+                raise ValueError(f"cache events {spec!r}: unknown option {part!r}; known: node, replay")
+            fields[key] = value
+        return cls(endpoint, fields.get("node"), fields.get("replay"))
 
 
 class KVEventFeeds:
@@ -75,6 +103,22 @@ class KVEventFeeds:
         if configured:
             self._mark(url)
         sub.start()
+
+    def cache_added(self, source: CacheEvents) -> str:
+        """Subscribe to a KV cache server's chunk events; returns its index location name."""
+        location = source.location
+        self.locator.add_cache(location, source.node)
+        sub = KVEventSubscriber(
+            location,
+            self.locator,
+            context=self.context,
+            sources=[EventSource(source.endpoint, source.replay_endpoint)],
+            observer=self.observer,
+            resolve_backoff=self.resolve_backoff,
+        )
+        self._subscribers[location] = (source.endpoint, sub)
+        sub.start()
+        return location
 
     def engine_removed(self, url: str) -> None:
         entry = self._subscribers.pop(url, None)

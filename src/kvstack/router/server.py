@@ -24,7 +24,7 @@ from kvstack.index.prefix_index import PrefixIndex
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.circuit import CircuitConfig
-from kvstack.router.kv_feeds import KVEventFeeds
+from kvstack.router.kv_feeds import CacheEvents, KVEventFeeds
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.prefix import PrefixLocator, PrefixSource
 from kvstack.router.proxy import Proxy, RetryPolicy
@@ -67,6 +67,8 @@ class RouterOptions:
     history_ttl: float = 600.0
     # Replaces the index-and-history locator as the source of prefix views (experiments: an oracle).
     prefix_source: PrefixSource | None = None
+    # KV cache servers whose chunk events credit engines on their node (kvstack.router.prefix).
+    cache_events: list[CacheEvents] = field(default_factory=list)
     # This process is one of several router workers on the port (set by the --workers supervisor).
     group: WorkerGroupConfig | None = None
 
@@ -167,6 +169,9 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         if group is not None:
             await group.stop()
         raise
+    if feeds is not None:
+        for cache in opts.cache_events:
+            feeds.cache_added(cache)
     for endpoint in opts.engines:
         router.add_engine(endpoint)
     if opts.discovery is not None:

@@ -8,8 +8,9 @@ tier t or better (gpu, cpu, disk, remote; from the engine's KV events and cache-
 
 so a prompt fully in the engine's GPU blocks scores 1, and tokens that must be loaded from a lower tier
 count for less. For an engine that publishes no events (``knowledge != "kv-events"``) and
-``useApproximate`` on, the router's own history stands in: score = approximateWeight * a / P with a the
-prefix tokens the router recently sent there.
+``useApproximate`` on, the router's own history stands in: score = max(approximateWeight * a / P, the
+formula above over what cache servers hold for it), with a the prefix tokens the router recently sent
+there.
 
 Parameters:
   gpuWeight (number in [0, 1], default 1.0)     tokens in the engine's own blocks
@@ -77,12 +78,16 @@ class PrecisePrefixScorer(Scorer):
         for engine in candidates:
             url = engine.url
             tiers = view.precise.get(url)
+            score = 0.0
             if tiers is not None:
                 weighted, below = 0.0, 0
                 for weight, cumulative in zip(self.tier_weights, tiers, strict=False):
                     weighted += weight * (cumulative - below)
                     below = cumulative
-                out[url] = weighted / total
-            elif self.use_approximate and engine.knowledge != "kv-events":
-                out[url] = self.approximate_weight * view.approximate.get(url, 0) / total
+                score = weighted / total
+            if self.use_approximate and engine.knowledge != "kv-events":
+                score = max(score, self.approximate_weight * view.approximate.get(url, 0) / total)
+            elif tiers is None:
+                continue
+            out[url] = score
         return out
