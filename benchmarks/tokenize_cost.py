@@ -115,6 +115,7 @@ async def main() -> None:
                 probe = asyncio.create_task(loop_stall_probe(stop, stalls))
                 for i in range(args.repeats):
                     await local.token_ids(f"{MODEL}-probe", chat_of(n_words, i))
+                    await asyncio.sleep(0.002)  # let the probe run between requests, as a server would
                 stop.set()
                 await probe
                 stall_rows.append((n_words, max(stalls) if stalls else 0.0))
