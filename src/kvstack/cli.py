@@ -22,6 +22,7 @@ from typing import Any
 from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
+from kvstack.cache.cli import add_cache_server_parser, run_cache_server
 
 
 def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -519,6 +520,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_parser(sub)
     _add_up_parser(sub)
     add_bench_parser(sub)
+    add_cache_server_parser(sub)
     model = sub.add_parser("model", help="model directories for tests and benchmarks")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("make-tiny", help="write a dummy-weight model directory (no network)")
@@ -539,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
         return _run_model(args)
     if args.command == "bench":
         return run_bench_command(args)
+    if args.command == "cache-server":
+        return run_cache_server(args)
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     if args.command == "router":
         return _run_router(args, list(sys.argv[1:] if argv is None else argv))

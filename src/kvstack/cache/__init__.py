@@ -5,6 +5,10 @@
 - `tiers`: the `Tier` interface and its memory, disk and Redis implementations.
 - `TieredStore` (store): the tiers searched in order, longest consecutive prefix, promotion into memory,
   bounded asynchronous writes to the lower tiers.
+- The cache server (server, ``kvstack cache-server`` in cli) serves a store over ZMQ (protocol), with
+  payloads in shared memory on the same host (shm), admit/evict events in vLLM's KV-event shape (events)
+  and Prometheus metrics (metrics); `CacheClient` / `AsyncCacheClient` (client) turn every fault into a
+  counted miss. Import them from their modules: this package's import stays free of ZMQ.
 
 This package imports nothing of the router or scheduling.
 """

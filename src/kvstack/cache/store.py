@@ -14,6 +14,10 @@
   no extra memory, and if memory evicts it first its pages stay held (and counted in the memory budget)
   until the writer is done; a chunk memory refused (too big, everything pinned) is queued as a private copy.
 
+``exists(keys)`` tells per key whether any tier holds it; ``delete(keys)`` removes keys from every tier;
+``clear()`` empties every tier and drops the queued writes. A write still queued for a lower tier when its
+key is deleted lands afterwards (the queue is not searched).
+
 ``start`` starts the tiers and the writers; ``stop`` lets the queues drain for up to ``drain_timeout_s``,
 cancels the writers and closes the tiers. The first tier must be a `MemoryTier`.
 """
@@ -140,6 +144,18 @@ class TieredStore:
                 self._promotions += 1
         return prefix
 
+    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+        """Whether each of ``keys`` is held by some tier (no payload is read)."""
+        found = [False] * len(keys)
+        for tier in self.tiers:
+            missing = [i for i, hit in enumerate(found) if not hit]
+            if not missing:
+                break
+            runs = await asyncio.gather(*(tier.contains((keys[i],)) for i in missing))
+            for i, run in zip(missing, runs, strict=True):
+                found[i] = run > 0
+        return found
+
     # -- writes
 
     def put(self, keys: Sequence[ChunkKey], payloads: Sequence[Payload]) -> int:
@@ -161,6 +177,25 @@ class TieredStore:
                 except asyncio.QueueFull:
                     self._queue_drops[name] += 1
         return kept
+
+    async def delete(self, keys: Sequence[ChunkKey]) -> int:
+        """Remove each of ``keys`` from every tier; returns how many were held by at least one."""
+        removed = 0
+        for key in keys:
+            held = False
+            for tier in self.tiers:
+                held = await tier.delete(key) or held
+            removed += held
+        return removed
+
+    async def clear(self) -> None:
+        """Drop the queued writes and empty every tier."""
+        for queue in self._queues.values():
+            while not queue.empty():
+                queue.get_nowait()
+                queue.task_done()
+        for tier in self.tiers:
+            await tier.clear()
 
     def stats(self) -> StoreStats:
         return StoreStats(

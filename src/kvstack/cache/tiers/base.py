@@ -10,6 +10,10 @@ A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every 
   longer than a moment should copy it or use the tier's pinning where it has one.
 - ``start`` and ``close`` own whatever the tier runs (threads, connections, tasks); a tier is used between
   them.
+- ``listener`` (optional, set by whoever owns the tier, e.g. the cache server) hears which chunks entered
+  the tier (``stored``) and left it (``removed``: evicted, deleted, found corrupt), on the event loop,
+  synchronously. ``clear`` and the index rebuilt at start are not reported: the owner knows about a clear,
+  and chunks found at start have no origin to report. Redis TTL expiry is invisible to the tier.
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from kvstack.cache.keys import ChunkKey
 
-__all__ = ["Payload", "Tier", "TierStats", "byte_view"]
+__all__ = ["Payload", "Tier", "TierListener", "TierStats", "byte_view"]
 
 Payload = bytes | bytearray | memoryview
 """One chunk's bytes, as given to ``put`` or returned by ``get``."""
@@ -57,10 +62,19 @@ class TierStats:
         return replace(self)
 
 
+class TierListener(Protocol):
+    """Told which chunks entered or left a tier (admit/evict events); must not raise or block."""
+
+    def stored(self, tier: Tier, keys: Sequence[ChunkKey]) -> None: ...
+
+    def removed(self, tier: Tier, keys: Sequence[ChunkKey]) -> None: ...
+
+
 class Tier(ABC):
     """One storage tier of chunk payloads; see the module docstring for the rules."""
 
     name: str
+    listener: TierListener | None = None
 
     async def start(self) -> None:  # noqa: B027 - optional hook, most tiers need nothing
         """Acquire resources (threads, connections); called once before use."""

@@ -158,6 +158,8 @@ class DiskTier(Tier):
             log.warning("disk tier %s: cannot read chunk %s: %s", self.name, key.hex(), read.error)
         if self._index.get(key) is file:
             self._forget(key)
+            if self.listener is not None:
+                self.listener.removed(self, (key,))
         return None
 
     async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
@@ -171,9 +173,12 @@ class DiskTier(Tier):
         if self._reserved + file_bytes > self.capacity_bytes:  # too big, or writes in flight hold the room
             self._stats.write_drops += 1
             return False
+        replaced = key in self._index
         self._forget(key)  # replaced below; its bytes are free for the new file
         doomed = self._evict_for(file_bytes)
         self._reserved += file_bytes
+        if doomed and self.listener is not None:
+            self.listener.removed(self, doomed)
 
         def settle(result: _Write | None) -> None:  # on the loop, even if the caller was cancelled
             self._reserved -= file_bytes
@@ -182,11 +187,15 @@ class DiskTier(Tier):
                 self._stats.write_drops += 1
                 error = "unexpected failure" if result is None else result.error
                 log.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), error)
+                if replaced and key not in self._index and self.listener is not None:
+                    self.listener.removed(self, (key,))
                 return
             self._forget(key)  # a concurrent put of the same key may have finished first
             self._index[key] = _File(file_bytes)
             self._used += file_bytes
             self._stats.writes += 1
+            if self.listener is not None:
+                self.listener.stored(self, (key,))
 
         result = await self._run(lambda: self._write_file(key, payload, doomed), settle)
         return result.error is None
@@ -198,6 +207,8 @@ class DiskTier(Tier):
         if key not in self._index:
             return False
         self._forget(key)
+        if self.listener is not None:
+            self.listener.removed(self, (key,))
         await self._run(lambda: self._unlink_all([key]))
         return True
 

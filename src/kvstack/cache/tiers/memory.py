@@ -147,15 +147,20 @@ class MemoryTier(Tier):
             buf = self._retire(old, reuse_capacity=capacity)
         if buf is None and self._held and self._used + capacity > self.capacity_bytes:
             self._reclaim_held()
+        victims: list[ChunkKey] = []
         while buf is None and self._used + capacity > self.capacity_bytes:
             victim = self._lru_unpinned()
             if victim is None:
                 break
             self._stats.evictions += 1
+            victims.append(victim)
             buf = self._retire(self._entries.pop(victim), reuse_capacity=capacity)
+        if old is not None:  # reported as removed if the new payload is dropped below
+            victims.append(key)
         if buf is None and capacity:
             if self._used + capacity > self.capacity_bytes:
                 self._stats.write_drops += 1
+                self._report_removed(victims)
                 return False
             try:
                 buf = mmap.mmap(-1, capacity, flags=_MAP_FLAGS)
@@ -163,12 +168,18 @@ class MemoryTier(Tier):
                 self._stats.errors += 1
                 self._stats.write_drops += 1
                 log.warning("memory tier %s: cannot map %d bytes (%s); chunk dropped", self.name, capacity, e)
+                self._report_removed(victims)
                 return False
             self._used += capacity
+        if old is not None:
+            victims.pop()
+        self._report_removed(victims)
         if buf is not None:
             memoryview(buf)[:size] = src
         self._entries[key] = _Entry(buf, size)
         self._stats.writes += 1
+        if self.listener is not None:
+            self.listener.stored(self, (key,))
         return True
 
     def delete_sync(self, key: ChunkKey) -> bool:
@@ -176,6 +187,7 @@ class MemoryTier(Tier):
         if entry is None:
             return False
         self._retire(entry, reuse_capacity=None)
+        self._report_removed([key])
         return True
 
     def clear_sync(self) -> None:
@@ -224,6 +236,10 @@ class MemoryTier(Tier):
         if entry.buf is None:
             return _EMPTY
         return memoryview(entry.buf)[: entry.size].toreadonly()
+
+    def _report_removed(self, keys: list[ChunkKey]) -> None:
+        if keys and self.listener is not None:
+            self.listener.removed(self, keys)
 
     def _lru_unpinned(self) -> ChunkKey | None:
         for key, entry in self._entries.items():

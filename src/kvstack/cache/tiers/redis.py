@@ -153,14 +153,19 @@ class RedisTier(Tier):
             return [None] * len(keys)
         out: list[Payload | None] = []
         corrupt: list[bytes] = []
+        corrupt_keys: list[ChunkKey] = []
         for key, name, value in zip(keys, names, values, strict=True):
             payload = None if value is None else self._unpack(key, cast(bytes, value), name, corrupt)
             if payload is None:
                 self._stats.misses += 1
+                if value is not None:
+                    corrupt_keys.append(key)
             else:
                 self._stats.hits += 1
             out.append(payload)
         if corrupt:
+            if self.listener is not None:
+                self.listener.removed(self, corrupt_keys)
             await self._guard(lambda client: client.delete(*corrupt))
         return out
 
@@ -182,7 +187,10 @@ class RedisTier(Tier):
         if results is _FAILED:
             self._stats.write_drops += len(items)
             return 0
-        stored = sum(1 for result in results if result is True)
+        stored_keys = [key for (key, _), result in zip(items, results, strict=True) if result is True]
+        stored = len(stored_keys)
+        if stored_keys and self.listener is not None:
+            self.listener.stored(self, stored_keys)
         failed = [result for result in results if isinstance(result, Exception)]
         if failed:
             self._stats.errors += len(failed)
@@ -199,7 +207,11 @@ class RedisTier(Tier):
 
     async def delete(self, key: ChunkKey) -> bool:
         removed = await self._guard(lambda client: client.delete(self._key(key)))
-        return removed is not _FAILED and removed > 0
+        if removed is _FAILED or removed == 0:
+            return False
+        if self.listener is not None:
+            self.listener.removed(self, (key,))
+        return True
 
     async def clear(self) -> None:
 

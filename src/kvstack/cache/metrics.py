@@ -1,0 +1,148 @@
+"""The cache server's Prometheus metrics (``kvstack_cache_*``), in a registry of its own.
+
+Read from the store at scrape time (a collector over ``TieredStore.stats()``; labels ``tier`` = tier name):
+
+- ``kvstack_cache_hits_total{tier}`` / ``kvstack_cache_tier_misses_total{tier}``: chunk reads each tier
+  served / could not serve (a tier's own count: a get asks the lower tiers only for what memory missed).
+- ``kvstack_cache_bytes{tier}``, ``kvstack_cache_capacity_bytes{tier}``, ``kvstack_cache_entries{tier}``
+- ``kvstack_cache_evictions_total{tier}``, ``kvstack_cache_write_drops_total{tier}``,
+  ``kvstack_cache_tier_errors_total{tier}``, ``kvstack_cache_corrupt_total{tier}``,
+  ``kvstack_cache_tier_up{tier}``
+- ``kvstack_cache_queue_drops_total{tier}`` (write-behind queue full), ``kvstack_cache_write_queue{tier}``
+  (writes waiting), ``kvstack_cache_promotions_total``.
+
+Counted by the server:
+
+- ``kvstack_cache_misses_total``: chunks a get asked for and did not receive (after the first missing chunk
+  every later one counts: only a consecutive prefix is served).
+- ``kvstack_cache_lookup_chunks_total{result}`` (``hit``/``miss``): the same for lookups.
+- ``kvstack_cache_operation_seconds{op}``: request handling time by op (histogram, 50 µs to 2.5 s).
+- ``kvstack_cache_requests_total{op,result}`` (``ok``/``error``),
+  ``kvstack_cache_protocol_errors_total{code}`` (every error reply and every reply that could not be sent,
+  by `ErrorCode` or ``dropped``).
+- ``kvstack_cache_payload_bytes_total{op,path}``: get/put payload bytes through ``shm`` or ``socket``.
+- ``kvstack_cache_events_total``, ``kvstack_cache_event_batch_drops_total``: events published, batches
+  dropped at the PUB high-water mark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from kvstack.cache.store import TieredStore
+
+__all__ = ["CacheMetrics"]
+
+_LATENCY_BUCKETS = (
+    5e-5,
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    1e-2,
+    2.5e-2,
+    5e-2,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+
+class _StoreCollector(Collector):
+    def __init__(self, store: TieredStore, events: Callable[[], tuple[int, int]] | None) -> None:
+        self._store = store
+        self._events = events
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._store.stats()
+
+        def counter(name: str, doc: str) -> CounterMetricFamily:
+            return CounterMetricFamily(name, doc, labels=["tier"])
+
+        def gauge(name: str, doc: str) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc, labels=["tier"])
+
+        hits = counter("kvstack_cache_hits", "Chunk reads served, by tier")
+        misses = counter("kvstack_cache_tier_misses", "Chunk reads a tier could not serve")
+        evictions = counter("kvstack_cache_evictions", "Chunks evicted to make room")
+        drops = counter("kvstack_cache_write_drops", "Writes a tier did not store")
+        errors = counter("kvstack_cache_tier_errors", "I/O or connection errors")
+        corrupt = counter("kvstack_cache_corrupt", "Entries that failed verification")
+        size = gauge("kvstack_cache_bytes", "Bytes held")
+        capacity = gauge("kvstack_cache_capacity_bytes", "Byte budget")
+        entries = gauge("kvstack_cache_entries", "Chunks held")
+        up = gauge("kvstack_cache_tier_up", "1 when the tier is reachable")
+        for name, tier in stats.tiers.items():
+            hits.add_metric([name], tier.hits)
+            misses.add_metric([name], tier.misses)
+            evictions.add_metric([name], tier.evictions)
+            drops.add_metric([name], tier.write_drops)
+            errors.add_metric([name], tier.errors)
+            corrupt.add_metric([name], tier.corrupt)
+            up.add_metric([name], 1.0 if tier.up else 0.0)
+            if tier.bytes is not None:
+                size.add_metric([name], tier.bytes)
+            if tier.capacity_bytes is not None:
+                capacity.add_metric([name], tier.capacity_bytes)
+            if tier.entries is not None:
+                entries.add_metric([name], tier.entries)
+        queue_drops = counter("kvstack_cache_queue_drops", "Writes dropped: queue full")
+        queued = gauge("kvstack_cache_write_queue", "Writes waiting for a lower tier")
+        for name, n in stats.queue_drops.items():
+            queue_drops.add_metric([name], n)
+            queued.add_metric([name], stats.queued.get(name, 0))
+        yield from (hits, misses, evictions, drops, errors, corrupt, size, capacity, entries, up)
+        yield from (queue_drops, queued)
+        yield CounterMetricFamily(
+            "kvstack_cache_promotions",
+            "Chunks copied into memory after a lower-tier hit",
+            value=stats.promotions,
+        )
+        if self._events is not None:
+            sent, dropped = self._events()
+            yield CounterMetricFamily("kvstack_cache_events", "KV events published", value=sent)
+            yield CounterMetricFamily(
+                "kvstack_cache_event_batch_drops",
+                "Event batches dropped at the PUB high-water mark",
+                value=dropped,
+            )
+
+
+class CacheMetrics:
+    """The server's metrics; ``render()`` is the /metrics body."""
+
+    def __init__(self, store: TieredStore, *, events: Callable[[], tuple[int, int]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_StoreCollector(store, events))
+        r = self.registry
+        self.misses = Counter(
+            "kvstack_cache_misses", "Chunks a get asked for and did not receive", registry=r
+        )
+        self.lookup_chunks = Counter(
+            "kvstack_cache_lookup_chunks", "Chunks asked about by lookups", ["result"], registry=r
+        )
+        self.operation_seconds = Histogram(
+            "kvstack_cache_operation_seconds",
+            "Request handling time",
+            ["op"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter("kvstack_cache_requests", "Requests handled", ["op", "result"], registry=r)
+        self.protocol_errors = Counter(
+            "kvstack_cache_protocol_errors", "Error replies and dropped messages", ["code"], registry=r
+        )
+        self.payload_bytes = Counter(
+            "kvstack_cache_payload_bytes", "Payload bytes moved", ["op", "path"], registry=r
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

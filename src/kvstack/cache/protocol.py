@@ -1,0 +1,323 @@
+"""The cache server's wire protocol, version 1: msgspec messages in ZMQ multipart frames. No sockets here.
+
+Frames (client DEALER -> server ROUTER; a REQ client's empty delimiter frame is accepted and echoed):
+
+- request: ``[header, mac, *payloads]``
+  - ``header``: a msgpack map, one of the request structs below, tagged by ``"op"``; every message carries
+    ``v`` (the protocol version) and ``id`` (chosen by the client, echoed in the reply, so a client can drop
+    a late reply to a request it gave up on).
+  - ``mac``: empty without a shared secret; else ``HMAC-SHA256(secret, header)`` (32 bytes). The secret
+    decides who may use the server; it does not encrypt, does not cover payload frames or shared memory,
+    and does not stop a replayed request: on an untrusted network, keep the server on 127.0.0.1 or ipc://.
+  - ``payloads``: put payloads that travel through the socket, in key order.
+- reply: ``[header, *payloads]``: one of the reply structs, tagged by ``"op"`` (the request's op, or
+  ``"error"`` with a ``code`` from `ErrorCode` and a message saying what to fix).
+
+Keys travel as one ``bytes`` field: the 32-byte `ChunkKey` s concatenated (``len(keys) % 32 == 0``).
+
+Operations (request -> reply):
+
+- ``hello(client, arena, arena_nonce)`` -> ``node, server, arena_ok, arena_error, max_message_bytes,
+  max_keys``: a client names its shared-memory arena; the server maps it and checks the nonce written at
+  its start (proof of a shared host), else the client uses socket payloads (see ``kvstack.cache.shm``).
+- ``lookup(keys)`` -> ``count, tiers``: the longest consecutive prefix held, a tier name per chunk of it.
+- ``exists(keys)`` -> ``present``: per key, held by any tier.
+- ``get(keys, arena, region_offset, region_size)`` -> ``sizes, offsets, more``: the payloads of the longest
+  consecutive prefix; chunk ``i`` is in the client's arena at ``offsets[i]`` (inside the region the request
+  lent) or, where ``offsets[i] == -1``, in the next payload frame. ``more``: the reply stopped early at the
+  size limit; ask again for the rest.
+- ``put(keys, sizes, offsets, arena, parent, token_ids)`` -> ``stored``: ``offsets`` as in ``get``
+  (empty: all payloads in frames). ``token_ids`` (one list per chunk) and ``parent`` (the key of the chunk
+  before ``keys[0]``, None for a prompt's first chunk) are optional, but without them the server cannot
+  publish ``BlockStored`` events for the chunks (a router keys blocks by their tokens). ``stored``: chunks
+  the memory tier kept.
+- ``evict(keys)`` -> ``removed``; ``clear()`` -> ``{}``; ``stats()`` -> ``node, stats`` (the store's and
+  the server's counters as a map).
+
+Versioning: fields a reader does not know are ignored and new optional fields get defaults, so ``v`` only
+changes for an incompatible change; a server answers any other version with error ``version``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+import msgspec
+
+from kvstack.cache.keys import KEY_BYTES, ChunkKey
+
+__all__ = [
+    "MAC_BYTES",
+    "PROTOCOL_VERSION",
+    "Clear",
+    "ClearReply",
+    "ErrorCode",
+    "ErrorReply",
+    "Evict",
+    "EvictReply",
+    "Exists",
+    "ExistsReply",
+    "Get",
+    "GetReply",
+    "Hello",
+    "HelloReply",
+    "Lookup",
+    "LookupReply",
+    "ProtocolError",
+    "Put",
+    "PutReply",
+    "Reply",
+    "Request",
+    "Stats",
+    "StatsReply",
+    "ThrottledLog",
+    "decode_reply",
+    "decode_request",
+    "encode",
+    "join_keys",
+    "request_mac",
+    "split_keys",
+]
+
+PROTOCOL_VERSION: Final = 1
+MAC_BYTES: Final = 32
+IN_FRAME: Final = -1
+"""An ``offsets`` entry: this payload travels in a frame, not in shared memory."""
+
+
+class ErrorCode(enum.StrEnum):
+    MALFORMED = "malformed"  # not a msgpack map of a known shape, or wrong frames
+    VERSION = "version"  # another protocol version
+    UNKNOWN_OP = "unknown_op"
+    TOO_LARGE = "too_large"  # over max_message_bytes or max_keys
+    AUTH = "auth"  # missing or wrong mac
+    BAD_REQUEST = "bad_request"  # well-formed but inconsistent (key length, counts, offsets)
+    ARENA = "arena"  # the named shared-memory arena cannot be used: resend the payloads in frames
+    INTERNAL = "internal"  # the server failed; the request may be retried
+
+
+class ProtocolError(Exception):
+    """A request the server answers with an error reply."""
+
+    def __init__(self, code: ErrorCode, message: str, request_id: int = 0) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.request_id = request_id
+
+
+class _Message(msgspec.Struct, tag_field="op", omit_defaults=True, kw_only=True):
+    v: int = PROTOCOL_VERSION
+    id: int = 0
+
+
+# -- requests
+
+
+class Hello(_Message, tag="hello"):
+    client: str = ""
+    arena: str | None = None
+    arena_nonce: bytes = b""
+
+
+class Lookup(_Message, tag="lookup"):
+    keys: bytes
+
+
+class Exists(_Message, tag="exists"):
+    keys: bytes
+
+
+class Get(_Message, tag="get"):
+    keys: bytes
+    arena: str | None = None
+    region_offset: int = 0
+    region_size: int = 0
+
+
+class Put(_Message, tag="put"):
+    keys: bytes
+    sizes: list[int]
+    offsets: list[int] = msgspec.field(default_factory=list)
+    arena: str | None = None
+    parent: bytes | None = None
+    token_ids: list[list[int]] | None = None
+
+
+class Evict(_Message, tag="evict"):
+    keys: bytes
+
+
+class Clear(_Message, tag="clear"):
+    pass
+
+
+class Stats(_Message, tag="stats"):
+    pass
+
+
+Request = Hello | Lookup | Exists | Get | Put | Evict | Clear | Stats
+OPS: Final = ("hello", "lookup", "exists", "get", "put", "evict", "clear", "stats")
+
+# -- replies
+
+
+class HelloReply(_Message, tag="hello"):
+    node: str
+    server: str
+    arena_ok: bool = False
+    arena_error: str = ""
+    max_message_bytes: int = 0
+    max_keys: int = 0
+
+
+class LookupReply(_Message, tag="lookup"):
+    count: int
+    tiers: list[str]
+
+
+class ExistsReply(_Message, tag="exists"):
+    present: list[bool]
+
+
+class GetReply(_Message, tag="get"):
+    sizes: list[int]
+    offsets: list[int]
+    more: bool = False
+
+
+class PutReply(_Message, tag="put"):
+    stored: int
+
+
+class EvictReply(_Message, tag="evict"):
+    removed: int
+
+
+class ClearReply(_Message, tag="clear"):
+    pass
+
+
+class StatsReply(_Message, tag="stats"):
+    node: str
+    stats: dict[str, Any]
+
+
+class ErrorReply(_Message, tag="error"):
+    code: str
+    message: str
+
+
+Reply = (
+    HelloReply
+    | LookupReply
+    | ExistsReply
+    | GetReply
+    | PutReply
+    | EvictReply
+    | ClearReply
+    | StatsReply
+    | ErrorReply
+)
+
+_ENCODER: Final = msgspec.msgpack.Encoder()
+_REQUEST_DECODER: Final = msgspec.msgpack.Decoder(Request)
+_REPLY_DECODER: Final = msgspec.msgpack.Decoder(Reply)
+_ANY_DECODER: Final = msgspec.msgpack.Decoder()
+
+
+def encode(message: _Message) -> bytes:
+    return _ENCODER.encode(message)
+
+
+def decode_request(header: bytes | memoryview) -> Request:
+    """The request in ``header``, or `ProtocolError` saying what is wrong (with the id when readable)."""
+    try:
+        request = _REQUEST_DECODER.decode(header)
+    except (msgspec.MsgspecError, TypeError, ValueError, RecursionError) as exc:
+        raise _explain(header, exc) from None
+    if request.v != PROTOCOL_VERSION:
+        raise ProtocolError(
+            ErrorCode.VERSION,
+            f"protocol version {request.v} is not served here; this server speaks version {PROTOCOL_VERSION}",
+            request.id,
+        )
+    return request
+
+
+def _explain(header: bytes | memoryview, exc: Exception) -> ProtocolError:
+    """Why a header failed to decode: looks at it as plain msgpack to name the version, op and id."""
+    try:
+        raw = _ANY_DECODER.decode(header)
+    except (msgspec.MsgspecError, TypeError, ValueError, RecursionError):
+        return ProtocolError(ErrorCode.MALFORMED, f"header is not msgpack ({len(header)} bytes): {exc}")
+    if not isinstance(raw, dict):
+        return ProtocolError(ErrorCode.MALFORMED, f"header is a msgpack {type(raw).__name__}, expected a map")
+    rid = raw.get("id")
+    request_id = rid if isinstance(rid, int) and 0 <= rid < 2**64 else 0
+    version = raw.get("v", PROTOCOL_VERSION)
+    if version != PROTOCOL_VERSION:
+        return ProtocolError(
+            ErrorCode.VERSION,
+            f"protocol version {version!r} is not served here; this server speaks version {PROTOCOL_VERSION}",
+            request_id,
+        )
+    op = raw.get("op")
+    if op not in OPS:
+        return ProtocolError(
+            ErrorCode.UNKNOWN_OP, f"unknown op {op!r}; known ops: {', '.join(OPS)}", request_id
+        )
+    return ProtocolError(ErrorCode.MALFORMED, f"invalid {op} request: {exc}", request_id)
+
+
+def decode_reply(header: bytes | memoryview) -> Reply:
+    """The reply in ``header``; raises ``msgspec.MsgspecError`` (or ValueError) when it is not one."""
+    return _REPLY_DECODER.decode(header)
+
+
+def request_mac(secret: bytes, header: bytes | memoryview) -> bytes:
+    return hmac.new(secret, header, hashlib.sha256).digest()
+
+
+def join_keys(keys: Sequence[bytes]) -> bytes:
+    for key in keys:
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
+    return b"".join(keys)
+
+
+def split_keys(keys: bytes, request_id: int = 0) -> list[ChunkKey]:
+    if len(keys) % KEY_BYTES:
+        raise ProtocolError(
+            ErrorCode.BAD_REQUEST,
+            f"keys is {len(keys)} bytes, not a multiple of {KEY_BYTES} (32-byte chunk keys concatenated)",
+            request_id,
+        )
+    return [ChunkKey(keys[i : i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)]
+
+
+class ThrottledLog:
+    """Logs a warning at most once per ``interval_s``, with how many were suppressed since the last one."""
+
+    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
+        self._log = logger
+        self._interval = interval_s
+        self._next = 0.0
+        self._suppressed = 0
+
+    def warning(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._suppressed += 1
+            return
+        self._next = now + self._interval
+        if self._suppressed:
+            msg += f" (and {self._suppressed} similar since the last report)"
+            self._suppressed = 0
+        self._log.warning(msg, *args)

@@ -1,0 +1,485 @@
+"""The cache server: a `TieredStore` behind a ZMQ ROUTER socket (protocol: ``kvstack.cache.protocol``).
+
+- Binds ``tcp://127.0.0.1:5560`` by default (any ZMQ endpoint works, e.g. ``ipc:///run/kvstack/cache``);
+  port 0 lets the OS choose (``endpoint`` tells the bound one).
+- Each request is handled in its own task, at most ``max_concurrency`` at a time (then the socket is not
+  read, and ZMQ queues up to its high-water mark), so a slow disk read does not hold up memory hits.
+- Nothing a peer sends can stop it: a message that is malformed, too large (``max_message_bytes`` for the
+  sum of its frames, ``max_keys`` keys), of another version, of an unknown op, with a wrong or missing mac
+  (when ``secret`` is set), or that makes a handler fail gets an error reply (counted in
+  ``kvstack_cache_protocol_errors_total{code}``); a single frame over ``max_message_bytes`` makes ZMQ drop
+  the connection (the peer sees a timeout).
+- Payloads through the client's shared-memory arena where it offered one (``kvstack.cache.shm``), through
+  frames otherwise; a get reply carries at most ``max_message_bytes`` in frames (``more`` says to ask again).
+- ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
+  ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays.
+- ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``
+  (127.0.0.1).
+
+The server does not own the store: start the store before the server and stop it after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+import zmq.asyncio
+from aiohttp import web
+
+import kvstack
+from kvstack.cache.events import ChunkEvents, EventPublisher
+from kvstack.cache.keys import KEY_BYTES, ChunkKey
+from kvstack.cache.metrics import CacheMetrics
+from kvstack.cache.protocol import (
+    IN_FRAME,
+    MAC_BYTES,
+    Clear,
+    ClearReply,
+    ErrorCode,
+    ErrorReply,
+    Evict,
+    EvictReply,
+    Exists,
+    ExistsReply,
+    Get,
+    GetReply,
+    Hello,
+    HelloReply,
+    Lookup,
+    LookupReply,
+    ProtocolError,
+    Put,
+    PutReply,
+    Reply,
+    Request,
+    Stats,
+    StatsReply,
+    ThrottledLog,
+    decode_request,
+    encode,
+    request_mac,
+    split_keys,
+)
+from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
+from kvstack.cache.store import TieredStore
+from kvstack.cache.tiers.base import Payload
+
+__all__ = ["CacheServer"]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BIND = "tcp://127.0.0.1:5560"
+_SWEEP_INTERVAL_S = 5.0
+_Frames = list[Any]  # what a reply carries after its header: bytes, memoryviews, zmq.Frames
+
+
+class CacheServer:
+    """Serves ``store`` on ``bind``; see the module docstring."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        bind: str = DEFAULT_BIND,
+        *,
+        secret: bytes | None = None,
+        node: str | None = None,
+        chunk_size: int = 256,
+        events_endpoint: str | None = None,
+        events_replay_endpoint: str | None = None,
+        http_port: int | None = None,
+        http_host: str = "127.0.0.1",
+        max_message_bytes: int = 256 << 20,
+        max_keys: int = 65_536,
+        max_concurrency: int = 64,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        if secret is not None and not secret:
+            raise ValueError("secret must be non-empty (or None for no authentication)")
+        if max_message_bytes < 1024 or max_keys < 1 or max_concurrency < 1:
+            raise ValueError(
+                "need max_message_bytes >= 1024, max_keys >= 1 and max_concurrency >= 1, got "
+                f"{max_message_bytes}, {max_keys}, {max_concurrency}"
+            )
+        self.store = store
+        self.node = node or socket.gethostname()
+        self._bind = bind
+        self._secret = secret
+        self._max_bytes = max_message_bytes
+        self._max_keys = max_keys
+        self._slots = asyncio.Semaphore(max_concurrency)
+        self._ctx = context
+        self._own_ctx = context is None
+        self._http = (http_host, http_port)
+        self.publisher: EventPublisher | None = None
+        self.events: ChunkEvents | None = None
+        if events_endpoint is not None:
+            self.publisher = EventPublisher(
+                events_endpoint, node=self.node, replay_endpoint=events_replay_endpoint
+            )
+            self.events = ChunkEvents(self.publisher.publish, chunk_size=chunk_size)
+        publisher = self.publisher
+        self.metrics = CacheMetrics(
+            store,
+            events=None if publisher is None else lambda: (publisher.sent_events, publisher.dropped_batches),
+        )
+        self.arenas = ServerArenas()
+        self._sock: zmq.asyncio.Socket | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._loops: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+        self._errors_log = ThrottledLog(log)
+        self.endpoint: str | None = None
+        self.http_port: int | None = None
+
+    # -- lifecycle
+
+    async def start(self) -> None:
+        if self._sock is not None:
+            raise RuntimeError("CacheServer.start() called twice")
+        if self._ctx is None:
+            self._ctx = zmq.asyncio.Context()
+        sock = self._ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        # A frame larger than the whole message may be cannot be answered: ZMQ drops its connection.
+        sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
+        self._sock = sock
+        try:
+            sock.bind(self._bind)
+        except zmq.ZMQError as e:
+            await self.stop()
+            raise OSError(f"cache server cannot bind {self._bind}: {e} (port in use? use port 0)") from e
+        self.endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        try:
+            if self.publisher is not None and self.events is not None:
+                await self.publisher.start()
+                for tier in self.store.tiers:
+                    tier.listener = self.events
+            host, port = self._http
+            if port is not None:
+                await self._start_http(host, port)
+        except BaseException:
+            await self.stop()
+            raise
+        self._loops = [
+            asyncio.create_task(self._serve(sock), name="cache-server"),
+            asyncio.create_task(self._sweep_arenas(), name="cache-server-arenas"),
+        ]
+        log.info(
+            "cache server %s on %s%s%s",
+            self.node,
+            self.endpoint,
+            "" if self.publisher is None else f", events on {self.publisher.endpoint}",
+            "" if self.http_port is None else f", http://{self._http[0]}:{self.http_port}/metrics",
+        )
+
+    async def stop(self) -> None:
+        loops, self._loops = self._loops, []
+        for task in loops:
+            task.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        if self._tasks:
+            _, late = await asyncio.wait(set(self._tasks), timeout=5.0)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for tier in self.store.tiers:
+            if tier.listener is self.events:
+                tier.listener = None
+        if self.events is not None:
+            self.events.flush()
+        if self.publisher is not None:
+            await self.publisher.close()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            sock.close(linger=0)
+        self.arenas.close()
+        if self._own_ctx and self._ctx is not None:
+            self._ctx.term()
+            self._ctx = None
+
+    async def __aenter__(self) -> CacheServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # -- the request loop
+
+    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
+        while True:
+            frames = await sock.recv_multipart(copy=False)
+            await self._slots.acquire()
+            task = asyncio.create_task(self._handle(sock, frames))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+
+    async def _handle(self, sock: zmq.asyncio.Socket, frames: list[zmq.Frame]) -> None:
+        envelope: list[bytes] = [frames[0].bytes]
+        rest = frames[1:]
+        if rest and len(rest[0]) == 0:  # a REQ client's delimiter
+            envelope.append(b"")
+            rest = rest[1:]
+        started = time.perf_counter()
+        op = "invalid"
+        request_id = 0
+        payloads: _Frames = []
+        try:
+            if sum(len(frame) for frame in rest) > self._max_bytes:
+                raise ProtocolError(
+                    ErrorCode.TOO_LARGE,
+                    f"message is over max_message_bytes={self._max_bytes}; send fewer chunks",
+                )
+            if len(rest) < 2:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, f"expected frames [header, mac, *payloads], got {len(rest)} frame(s)"
+                )
+            request = decode_request(rest[0].buffer)
+            op, request_id = str(request.__struct_config__.tag), request.id
+            self._authenticate(rest[0].buffer, rest[1].buffer, request.id)
+            reply, payloads = await self._dispatch(request, rest[2:])
+            self.metrics.requests.labels(op, "ok").inc()
+        except ProtocolError as e:
+            reply = ErrorReply(id=e.request_id, code=e.code, message=e.message)
+            self.metrics.protocol_errors.labels(e.code).inc()
+            self.metrics.requests.labels(op, "error").inc()
+        except Exception as e:  # a handler bug must not stop the server
+            reply = ErrorReply(id=request_id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
+            self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
+            self.metrics.requests.labels(op, "error").inc()
+            log.exception("cache server: %s request failed", op)
+        self.metrics.operation_seconds.labels(op).observe(time.perf_counter() - started)
+        if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
+            self._errors_log.warning("cache server: error reply %s: %s", reply.code, reply.message)
+        try:
+            await sock.send_multipart([*envelope, encode(reply), *payloads], copy=False)
+        except zmq.ZMQError as e:
+            self.metrics.protocol_errors.labels("dropped").inc()
+            self._errors_log.warning("cache server: cannot send a %s reply: %s", op, e)
+
+    def _authenticate(self, header: memoryview, mac: memoryview, request_id: int) -> None:
+        if self._secret is None:
+            return
+        if len(mac) != MAC_BYTES:
+            raise ProtocolError(
+                ErrorCode.AUTH,
+                "this server needs a shared secret: sign requests with it (mac frame)",
+                request_id,
+            )
+        if not hmac.compare_digest(request_mac(self._secret, header), mac):
+            raise ProtocolError(
+                ErrorCode.AUTH, "wrong mac: the client's secret is not the server's", request_id
+            )
+
+    async def _dispatch(self, request: Request, frames: Sequence[zmq.Frame]) -> tuple[Reply, _Frames]:
+        rid = request.id
+        if not isinstance(request, Put) and frames:
+            raise ProtocolError(ErrorCode.MALFORMED, f"{len(frames)} unexpected payload frame(s)", rid)
+        match request:
+            case Hello():
+                return self._hello(request), []
+            case Lookup():
+                keys = self._keys(request.keys, rid)
+                count, tiers = await self.store.lookup(keys)
+                self.metrics.lookup_chunks.labels("hit").inc(count)
+                self.metrics.lookup_chunks.labels("miss").inc(len(keys) - count)
+                return LookupReply(id=rid, count=count, tiers=tiers), []
+            case Exists():
+                present = await self.store.exists(self._keys(request.keys, rid))
+                return ExistsReply(id=rid, present=present), []
+            case Get():
+                return await self._get(request)
+            case Put():
+                return await self._put(request, frames), []
+            case Evict():
+                removed = await self.store.delete(self._keys(request.keys, rid))
+                return EvictReply(id=rid, removed=removed), []
+            case Clear():
+                await self.store.clear()
+                if self.events is not None:
+                    self.events.cleared()
+                return ClearReply(id=rid), []
+            case Stats():
+                return StatsReply(id=rid, node=self.node, stats=self._stats()), []
+        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
+
+    def _hello(self, request: Hello) -> HelloReply:
+        reply = HelloReply(
+            id=request.id,
+            node=self.node,
+            server=f"kvstack {kvstack.__version__}",
+            max_message_bytes=self._max_bytes,
+            max_keys=self._max_keys,
+        )
+        if request.arena:
+            try:
+                self.arenas.open(request.arena, request.arena_nonce)
+                reply.arena_ok = True
+            except ArenaError as e:
+                reply.arena_error = str(e)
+        return reply
+
+    async def _get(self, request: Get) -> tuple[GetReply, _Frames]:
+        rid = request.id
+        keys = self._keys(request.keys, rid)
+        arena = self._arena(request.arena, request.region_offset, request.region_size, rid)
+        payloads = await self.store.get(keys)
+        cursor, end = request.region_offset, request.region_offset + request.region_size
+        sizes: list[int] = []
+        offsets: list[int] = []
+        frames: _Frames = []
+        framed = shared = 0
+        more = False
+        for payload in payloads:
+            size = len(payload)
+            start = -(-cursor // ALIGN) * ALIGN
+            if arena is not None and start + size <= end:
+                arena.map[start : start + size] = payload
+                offsets.append(start)
+                cursor = start + size
+                shared += size
+            elif framed + size <= self._max_bytes:
+                frames.append(payload)
+                offsets.append(IN_FRAME)
+                framed += size
+            else:
+                more = True
+                break
+            sizes.append(size)
+        self.metrics.misses.inc(len(keys) - len(sizes))
+        self.metrics.payload_bytes.labels("get", "shm").inc(shared)
+        self.metrics.payload_bytes.labels("get", "socket").inc(framed)
+        return GetReply(id=rid, sizes=sizes, offsets=offsets, more=more), frames
+
+    async def _put(self, request: Put, frames: Sequence[zmq.Frame]) -> PutReply:
+        rid = request.id
+        keys = self._keys(request.keys, rid)
+        n = len(keys)
+        offsets = request.offsets or [IN_FRAME] * n
+        if len(request.sizes) != n or len(offsets) != n:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"{n} keys but {len(request.sizes)} sizes and {len(offsets)} offsets",
+                rid,
+            )
+        if request.parent is not None and len(request.parent) != KEY_BYTES:
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"parent is {len(request.parent)} bytes, not 32", rid)
+        if request.token_ids is not None and len(request.token_ids) > n:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"{len(request.token_ids)} token lists for {n} keys", rid
+            )
+        in_frames = sum(1 for offset in offsets if offset == IN_FRAME)
+        if in_frames != len(frames):
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST,
+                f"{in_frames} payloads announced in frames, {len(frames)} frames sent",
+                rid,
+            )
+        arena: ServerArena | None = None
+        if in_frames < n:
+            if request.arena is None:
+                raise ProtocolError(ErrorCode.BAD_REQUEST, "arena offsets given without an arena", rid)
+            arena = self._arena(request.arena, 0, 0, rid, check=False)
+        payloads: list[Payload] = []
+        views: list[memoryview] = []
+        frame_iter = iter(frames)
+        shared = framed = 0
+        try:
+            for i, (size, offset) in enumerate(zip(request.sizes, offsets, strict=True)):
+                if offset == IN_FRAME:
+                    data = next(frame_iter).buffer
+                    if len(data) != size:
+                        raise ProtocolError(
+                            ErrorCode.BAD_REQUEST,
+                            f"payload {i}: {len(data)} bytes in its frame, size says {size}",
+                            rid,
+                        )
+                    framed += size
+                else:
+                    assert arena is not None
+                    try:
+                        arena.check_range(offset, size)
+                    except ArenaError as e:
+                        raise ProtocolError(ErrorCode.BAD_REQUEST, f"payload {i}: {e}", rid) from None
+                    data = memoryview(arena.map)[offset : offset + size]
+                    views.append(data)
+                    shared += size
+                payloads.append(data)
+            if self.events is not None and request.token_ids:
+                self.events.remember(keys, request.parent, request.token_ids)
+            stored = self.store.put(keys, payloads)
+        finally:
+            payloads.clear()
+            for view in views:
+                view.release()
+        self.metrics.payload_bytes.labels("put", "shm").inc(shared)
+        self.metrics.payload_bytes.labels("put", "socket").inc(framed)
+        return PutReply(id=rid, stored=stored)
+
+    # -- helpers
+
+    def _keys(self, raw: bytes, rid: int) -> list[ChunkKey]:
+        if len(raw) > self._max_keys * KEY_BYTES:
+            raise ProtocolError(
+                ErrorCode.TOO_LARGE, f"{len(raw) // KEY_BYTES} keys is over max_keys={self._max_keys}", rid
+            )
+        return split_keys(raw, rid)
+
+    def _arena(
+        self, name: str | None, offset: int, size: int, rid: int, *, check: bool = True
+    ) -> ServerArena | None:
+        if name is None:
+            return None
+        try:
+            arena = self.arenas.open(name)
+            if check:
+                arena.check_range(offset, size)
+        except ArenaError as e:
+            raise ProtocolError(ErrorCode.ARENA, str(e), rid) from None
+        return arena
+
+    def _stats(self) -> dict[str, Any]:
+        stats = dataclasses.asdict(self.store.stats())
+        stats["server"] = {"arenas": len(self.arenas), "in_flight": len(self._tasks)}
+        if self.publisher is not None:
+            stats["server"]["events_published"] = self.publisher.sent_events
+        return stats
+
+    async def _sweep_arenas(self) -> None:
+        while True:
+            await asyncio.sleep(_SWEEP_INTERVAL_S)
+            self.arenas.sweep()
+
+    async def _start_http(self, host: str, port: int) -> None:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+        async def health(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok", "node": self.node, "endpoint": self.endpoint})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/health", health)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        self._runner = runner
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        with contextlib.suppress(IndexError, TypeError):
+            self.http_port = int(runner.addresses[0][1])

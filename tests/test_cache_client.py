@@ -1,0 +1,446 @@
+"""Cache clients against a real cache server: the synchronous client (server on its own loop in a thread,
+since the client blocks its caller), the asynchronous one, shared memory and its fallbacks, timeouts, a
+dead server, a killed and restarted server process, and the arena allocator."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import zmq
+import zmq.asyncio
+from blake3 import blake3
+
+from kvstack.cache import ChunkKey, TieredStore
+from kvstack.cache.client import AsyncCacheClient, CacheClient
+from kvstack.cache.server import CacheServer
+from kvstack.cache.shm import HEADER_BYTES, ArenaAllocator, ClientArena
+from kvstack.cache.tiers import MemoryTier
+
+T = TypeVar("T")
+
+
+def key(i: int, ns: bytes = b"client") -> ChunkKey:
+    return ChunkKey(blake3(ns + str(i).encode()).digest())
+
+
+def payload(i: int, size: int = 20_000) -> bytes:
+    return blake3(b"payload" + str(i).encode()).digest(length=size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+class ThreadServer:
+    """A cache server on its own event loop in a thread, for the synchronous client."""
+
+    def __init__(self, bind: str = "tcp://127.0.0.1:0", memory_bytes: int = 64 << 20, **kwargs: Any) -> None:
+        self._bind = bind
+        self._memory = memory_bytes
+        self._kwargs = kwargs
+        self._ready: Future[CacheServer] = Future()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
+
+    async def _main(self) -> None:
+        store = TieredStore([MemoryTier(self._memory)])
+        await store.start()
+        server = CacheServer(store, self._bind, **self._kwargs)
+        try:
+            await server.start()
+        except BaseException as e:
+            self._ready.set_exception(e)
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._ready.set_result(server)
+        await self._stop.wait()
+        await server.stop()
+        await store.stop()
+
+    def __enter__(self) -> CacheServer:
+        self._thread.start()
+        return self._ready.result(timeout=10)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(timeout=10)
+
+    def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        assert self._loop is not None
+        return asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[CacheServer]:
+    with ThreadServer(node="node-a") as srv:
+        yield srv
+
+
+# -- synchronous client
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "socket"])
+def test_sync_round_trips(server: CacheServer, shm: bool) -> None:
+    keys = [key(i, f"sync-{shm}".encode()) for i in range(6)]
+    data = [payload(i, 10_000 + i) for i in range(6)]
+    with CacheClient(server.endpoint or "", shm=shm, timeout_s=2) as client:
+        assert client.lookup(keys) == 0 and client.get(keys) is not None
+        assert client.put(keys[:4], data[:4])
+        assert client.node == "node-a" and client.shm_active is shm
+        assert client.lookup(keys) == 4
+        assert client.locate(keys) == ["memory"] * 4
+        assert client.exists([keys[5], keys[1], keys[3]]) == [False, True, True]
+        with client.get(keys) as chunks:  # type: ignore[union-attr]
+            assert [bytes(c) for c in chunks] == data[:4]
+            assert all(c.readonly for c in chunks)
+        if shm:
+            assert client.stats.shm_bytes >= sum(map(len, data[:4])) * 2 and client.stats.socket_bytes == 0
+        else:
+            assert client.stats.shm_bytes == 0 and client.stats.socket_bytes > 0
+        assert client.evict([keys[1], keys[5]]) == 1
+        assert client.lookup(keys) == 1
+        stats = client.server_stats()
+        assert stats is not None and stats["node"] == "node-a" and "memory" in stats["tiers"]
+        assert client.clear() and client.lookup(keys) == 0
+        assert client.stats.failures == {}
+        assert client.stats.chunks_hit == 4 and client.stats.chunks_missed == 6 + 2
+
+
+def test_sync_get_views_point_into_the_arena_and_space_is_reused(server: CacheServer) -> None:
+    keys = [key(i, b"arena") for i in range(8)]
+    with CacheClient(server.endpoint or "", arena_bytes=1 << 20) as client:
+        assert client.put(keys, [payload(i, 100_000) for i in range(8)])
+        arena = client._core.arena
+        assert arena is not None and arena.allocator.used_bytes == 0  # put regions are freed on reply
+        for _ in range(20):  # 800 KB per get through a 1 MiB arena: only works if released space is reused
+            chunks = client.get(keys)
+            assert chunks is not None and len(chunks) == 8
+            assert arena.allocator.used_bytes >= 800_000
+            assert bytes(chunks[7]) == payload(7, 100_000)
+            chunks.release()
+            assert arena.allocator.used_bytes == 0
+        # An arena too small for the whole reply: the rest comes through the socket, still in order.
+        first = client.get(keys)
+        second = client.get(keys)
+        assert first is not None and second is not None
+        assert [bytes(c) for c in second] == [payload(i, 100_000) for i in range(8)]
+        assert client.stats.socket_bytes > 0
+        first.release()
+        second.release()
+
+
+def test_shm_fallback_when_the_server_cannot_open_the_arena(server: CacheServer, tmp_path: Path) -> None:
+    # The arena lives where the server does not look: as if the client were on another host.
+    with CacheClient(server.endpoint or "", shm_dir=str(tmp_path)) as client:
+        keys = [key(i, b"fallback") for i in range(3)]
+        assert client.put(keys, [payload(i) for i in range(3)])
+        assert not client.shm_active
+        chunks = client.get(keys)
+        assert chunks is not None and [bytes(c) for c in chunks] == [payload(i) for i in range(3)]
+        assert client.stats.shm_bytes == 0 and client.stats.failures == {}
+
+
+def test_arena_lost_mid_session_falls_back_to_the_socket(tmp_path: Path) -> None:
+    with ThreadServer() as srv, CacheClient(srv.endpoint or "") as client:
+        keys = [key(i, b"lost") for i in range(3)]
+        assert client.put(keys, [payload(i) for i in range(3)]) and client.shm_active
+        arena = client._core.arena
+        assert arena is not None
+        os.unlink(arena.path)  # the server's mapping goes at its next sweep; force it now
+        srv.arenas.sweep()
+        chunks = client.get(keys)  # error "arena" -> the same get again through the socket
+        assert chunks is not None and [bytes(c) for c in chunks] == [payload(i) for i in range(3)]
+        assert not client.shm_active and client.stats.failures == {"error:arena": 1}
+        assert client.put(keys, [payload(i) for i in range(3)])
+
+
+def test_dead_server_is_a_counted_miss_within_the_timeout_then_fails_fast() -> None:
+    client = CacheClient(f"tcp://127.0.0.1:{free_port()}", timeout_s=0.2, retry_initial_s=5, retry_max_s=5)
+    keys = [key(1)]
+    started = time.monotonic()
+    assert client.lookup(keys) == 0
+    assert time.monotonic() - started < 1.0
+    started = time.monotonic()
+    assert client.get(keys) is None
+    assert client.put(keys, [b"x"]) is False
+    assert client.exists(keys) == [False] and client.evict(keys) == 0
+    assert client.clear() is False and client.server_stats() is None and client.locate(keys) == []
+    assert time.monotonic() - started < 0.05  # considered down: nothing sent
+    assert client.stats.failures == {"unreachable": 1, "down": 7}  # nothing connected: the send timed out
+    assert client.stats.chunks_missed == 1
+    client.close()
+
+
+def test_bad_arguments_are_misses_not_exceptions(server: CacheServer) -> None:
+    with CacheClient(server.endpoint or "") as client:
+        assert client.lookup([b"short"]) == 0
+        assert client.put([key(1)], [b"a", b"b"]) is False
+        assert client.put([key(1)], [b"a"], token_ids=[[1], [2]]) is False
+        assert client.get([b"x" * 31]) is None
+        assert client.stats.failures == {"bug": 4}
+        assert client.lookup([key(1)]) == 0 and client.stats.failures == {"bug": 4}
+
+
+def test_constructor_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="ZMQ endpoint"):
+        CacheClient("localhost:5560")
+    with pytest.raises(ValueError, match="timeout_s"):
+        CacheClient("tcp://127.0.0.1:1", timeout_s=0)
+    with pytest.raises(ValueError, match="secret"):
+        AsyncCacheClient("tcp://127.0.0.1:1", secret=b"")
+
+
+def test_a_timed_out_request_retires_its_arena() -> None:
+    # A ROUTER that answers hello and then goes silent: the get that lent arena space times out.
+    ctx = zmq.Context()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    from kvstack.cache.protocol import HelloReply, decode_request, encode
+
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            if not router.poll(50):
+                continue
+            identity, header, *_ = router.recv_multipart()
+            request = decode_request(header)
+            if request.__struct_config__.tag == "hello":
+                reply = HelloReply(id=request.id, node="mute", server="test", arena_ok=True, max_keys=10)
+                router.send_multipart([identity, encode(reply)])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    try:
+        client = CacheClient(f"tcp://127.0.0.1:{port}", timeout_s=0.2, retry_initial_s=0.01, retry_max_s=0.01)
+        assert client.get([key(1)]) is None
+        arena = client._core.arena
+        assert arena is not None and arena.retired and not os.path.exists(arena.path)
+        time.sleep(0.02)
+        assert client.lookup([key(1)]) == 0  # a new connect makes a new arena
+        assert client._core.arena is not None and client._core.arena is not arena
+        assert client.stats.failures == {"timeout": 2}
+        client.close()
+    finally:
+        stop.set()
+        thread.join()
+        router.close(linger=0)
+        ctx.term()
+
+
+def test_large_puts_and_gets_are_split_to_the_server_limits() -> None:
+    with ThreadServer(max_message_bytes=200_000, max_keys=3) as srv:
+        keys = [key(i, b"split") for i in range(10)]
+        data = [payload(i, 60_000) for i in range(10)]
+        with CacheClient(srv.endpoint or "", shm=False) as client:
+            assert client.put(keys, data)
+            requests = client.stats.requests
+            chunks = client.get(keys)
+            assert chunks is not None and [bytes(c) for c in chunks] == data
+            assert client.stats.requests - requests >= 4  # 10 keys, 3 per request, <= 200 kB per reply
+            assert client.lookup(keys) == 10 and client.exists(keys) == [True] * 10
+            assert client.evict(keys) == 10
+
+
+def test_secret(tmp_path: Path) -> None:
+    with ThreadServer(secret=b"s3cret") as srv:
+        endpoint = srv.endpoint or ""
+        with CacheClient(endpoint, secret=b"s3cret") as good:
+            assert good.put([key(1, b"auth")], [b"data"]) and good.lookup([key(1, b"auth")]) == 1
+        with CacheClient(endpoint, secret=b"wrong") as wrong:
+            assert wrong.lookup([key(1, b"auth")]) == 0
+            assert wrong.stats.failures == {"error:auth": 1}
+        with CacheClient(endpoint) as missing:
+            assert missing.get([key(1, b"auth")]) is None
+            assert missing.stats.failures == {"error:auth": 1}
+
+
+# -- asynchronous client (server in this loop)
+
+
+@pytest.fixture
+async def async_server() -> Any:
+    store = TieredStore([MemoryTier(32 << 20)])
+    await store.start()
+    server = CacheServer(store, "tcp://127.0.0.1:0", node="async")
+    await server.start()
+    yield server
+    await server.stop()
+    await store.stop()
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "socket"])
+async def test_async_concurrent_round_trips(async_server: CacheServer, shm: bool) -> None:
+    async with AsyncCacheClient(async_server.endpoint or "", shm=shm) as client:
+        groups = [[key(g * 10 + i, b"async") for i in range(4)] for g in range(8)]
+        puts = await asyncio.gather(
+            *(
+                client.put(keys, [payload(g * 10 + i, 5_000) for i in range(4)])
+                for g, keys in enumerate(groups)
+            )
+        )
+        assert all(puts)
+        results = await asyncio.gather(*(client.get(keys) for keys in groups * 3))
+        for n, chunks in enumerate(results):
+            g = n % 8
+            assert chunks is not None and [bytes(c) for c in chunks] == [
+                payload(g * 10 + i, 5_000) for i in range(4)
+            ]
+            chunks.release()
+        assert await client.lookup(groups[0]) == 4 and await client.locate(groups[0][:2]) == ["memory"] * 2
+        assert await client.exists([groups[0][0], key(999)]) == [True, False]
+        assert await client.evict(groups[1]) == 4
+        stats = await client.server_stats()
+        assert stats is not None and stats["node"] == "async"
+        assert await client.clear() and await client.lookup(groups[0]) == 0
+        assert client.stats.failures == {} and client.shm_active is shm
+        if shm:
+            assert client._core.arena is not None and client._core.arena.allocator.used_bytes == 0
+
+
+async def test_async_dead_server_and_timeouts() -> None:
+    # A ROUTER that never answers: every request times out, concurrently, within the timeout.
+    ctx = zmq.asyncio.Context()
+    mute = ctx.socket(zmq.ROUTER)
+    port = mute.bind_to_random_port("tcp://127.0.0.1")
+    client = AsyncCacheClient(
+        f"tcp://127.0.0.1:{port}", timeout_s=0.2, retry_initial_s=0.05, retry_max_s=0.05
+    )
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(client.lookup([key(i)]) for i in range(5)), client.get([key(9)]))
+    assert results == [0, 0, 0, 0, 0, None]
+    assert asyncio.get_running_loop().time() - started < 1.0
+    assert sum(client.stats.failures.values()) == 6 and "timeout" in client.stats.failures
+    await client.aclose()
+    mute.close(linger=0)
+    ctx.term()
+
+
+# -- a server process killed and restarted
+
+
+def _start_server_process(port: int, tmp: Path) -> subprocess.Popen[bytes]:
+    (tmp / "secret").write_text("  restart-secret\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstack.cache.cli",
+        "cache-server",
+        "--bind",
+        f"tcp://127.0.0.1:{port}",
+        "--memory-gb",
+        "0.05",
+        "--node",
+        "proc",
+        "--secret-file",
+        str(tmp / "secret"),
+        "--log-level",
+        "warning",
+    ]
+    return subprocess.Popen(cmd, stdout=(tmp / "out.log").open("ab"), stderr=subprocess.STDOUT)
+
+
+def _wait_until(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+def test_server_killed_and_restarted_client_recovers(tmp_path: Path) -> None:
+    port = free_port()
+    proc = _start_server_process(port, tmp_path)
+    client = CacheClient(
+        f"tcp://127.0.0.1:{port}",
+        secret=b"restart-secret",
+        timeout_s=0.5,
+        retry_initial_s=0.05,
+        retry_max_s=0.2,
+    )
+    keys = [key(i, b"restart") for i in range(3)]
+    try:
+        _wait_until(lambda: client.put(keys, [payload(i) for i in range(3)]))
+        assert client.node == "proc" and client.lookup(keys) == 3
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        started = time.monotonic()
+        assert client.lookup(keys) == 0 and client.get(keys) is None
+        assert time.monotonic() - started < 1.5
+        proc = _start_server_process(port, tmp_path)
+        _wait_until(lambda: client.put(keys[:1], [payload(0)]))  # a new process: an empty cache
+        assert client.lookup(keys) == 1
+        chunks = client.get(keys)
+        assert chunks is not None and [bytes(c) for c in chunks] == [payload(0)]
+        assert client.stats.failures.get("timeout", 0) + client.stats.failures.get("unreachable", 0) >= 1
+    finally:
+        client.close()
+        proc.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode in (0, -signal.SIGTERM), (tmp_path / "out.log").read_text()
+
+
+# -- the arena allocator (pure)
+
+
+def test_allocator_first_fit_alignment_shrink_and_coalescing() -> None:
+    alloc = ArenaAllocator(HEADER_BYTES, HEADER_BYTES + 1024)
+    a = alloc.alloc(100)
+    b = alloc.alloc(100)
+    c = alloc.alloc(100)
+    assert a == HEADER_BYTES and b == a + 128 and c == b + 128  # 64-byte aligned
+    assert alloc.alloc(1024) is None
+    alloc.free(b)
+    assert alloc.alloc(128) == b  # first fit reuses the hole
+    alloc.free(a)
+    alloc.free(b)
+    assert alloc.largest_free() == 1024 - 384 and alloc.alloc(256) == a  # a and b merged
+    alloc.shrink(a, 64)
+    assert alloc.used_bytes == 64 + 128
+    alloc.free(a)
+    alloc.free(c)
+    assert alloc.used_bytes == 0 and alloc.largest_free() == 1024
+
+
+def test_client_arena_file_lifecycle(tmp_path: Path) -> None:
+    arena = ClientArena(1 << 20, directory=str(tmp_path))
+    assert os.stat(arena.path).st_mode & 0o777 == 0o600
+    view = arena.view[HEADER_BYTES : HEADER_BYTES + 10]
+    arena.retire()
+    assert not os.path.exists(arena.path)
+    view[:3] = b"abc"  # a view still held keeps its mapping valid after retirement
+    assert bytes(view[:3]) == b"abc"
+
+
+def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvstack.cache.cli import main
+
+    (tmp_path / "empty").write_text("\n")
+    assert main(["cache-server", "--secret-file", str(tmp_path / "empty")]) == 2
+    assert "secret file" in capsys.readouterr().err
+    assert main(["cache-server", "--memory-gb", "0"]) == 2
+    assert (
+        main(["cache-server", "--bind", "tcp://127.0.0.1:0", "--secret-file", str(tmp_path / "missing")]) == 2
+    )
