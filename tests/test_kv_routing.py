@@ -337,7 +337,11 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
         try:
             locator = router.locator
             assert locator is not None
-            await _until(lambda: all(e.state.endpoint.models for e in router.app.registry))
+            await _until(
+                lambda: all(
+                    e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry
+                )
+            )
             tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
             assert tokens is not None and len(tokens) > 4 * chunk
             cpu = BlockStored(
@@ -369,3 +373,66 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
             await router.stop()
             for e in engines:
                 await stop_engine(e)
+
+
+async def test_real_cache_server_events_reach_the_router() -> None:
+    from kvstack.cache import KVLayout, TieredStore, chunk_keys
+    from kvstack.cache.client import AsyncCacheClient
+    from kvstack.cache.server import CacheServer
+    from kvstack.cache.tiers import MemoryTier
+    from kvstack.router.kv_feeds import CacheEvents
+
+    chunk = 64
+    engines = await _sims(2, kv_events=True)
+    store = TieredStore([MemoryTier(16 << 20)])
+    await store.start()
+    events, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    server = CacheServer(
+        store,
+        "tcp://127.0.0.1:0",
+        chunk_size=chunk,
+        node="node-a",
+        events_endpoint=events,
+        events_replay_endpoint=replay,
+    )
+    await server.start()
+    near, far = engines[0].url, engines[1].url
+    router = await start_router(
+        RouterOptions(
+            port=free_port(),
+            engines=[Endpoint(near, node="node-a"), Endpoint(far, node="node-b")],
+            routing="kv-aware",
+            cache_events=[CacheEvents(events, node="node-a", replay_endpoint=replay)],
+        )
+    )
+    client = AsyncCacheClient(server.endpoint, shm=False)
+    try:
+        locator = router.locator
+        assert locator is not None
+        await _until(
+            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry)
+        )
+        tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
+        assert tokens is not None
+        layout = KVLayout(model=MODEL, num_layers=2, num_kv_heads=2, head_size=16, dtype="bfloat16")
+        keys = chunk_keys(tokens, layout, chunk_size=chunk)[:3]
+        ids = [list(tokens[i * chunk : (i + 1) * chunk]) for i in range(3)]
+        assert await client.put(keys, [bytes(1024)] * 3, token_ids=ids)
+        await _until(lambda: f"cache+{events}" in locator.index.locations())
+        view = locator.lookup(tokens, router.app.registry.states()).view
+        assert view.precise[near][1] == 3 * chunk  # the cache's memory tier counts as CPU on node-a
+        assert far not in view.precise
+        async with aiohttp.ClientSession() as http:
+            body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
+            async with http.post(f"{router.url}/v1/completions", json=body) as r:
+                assert r.status == 200 and r.headers["x-kvstack-engine"] == near
+        # Evicting the chunks takes the credit away again (near now also holds the prompt in its own blocks).
+        assert await client.evict(keys) == 3
+        await _until(lambda: f"cache+{events}" not in locator.index.locations())
+    finally:
+        await client.aclose()
+        await router.stop()
+        await server.stop()
+        await store.stop()
+        for e in engines:
+            await stop_engine(e)
