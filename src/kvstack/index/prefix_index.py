@@ -133,6 +133,11 @@ class PrefixIndex:
         self._evicted_blocks = 0
         self._unknown_removals = 0
 
+    @property
+    def evicted_entries(self) -> int:
+        """Entries evicted by the bound since the index was made (cheap; ``stats`` walks containers)."""
+        return self._evicted_entries
+
     def __len__(self) -> int:
         """Number of (location, block) entries."""
         return self._entries

@@ -108,6 +108,7 @@ class RouterApp:
         extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
         listeners: Sequence[EngineListener] = (),
         group: WorkerGroup | None = None,
+        on_metrics: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self.registry = registry
@@ -120,6 +121,7 @@ class RouterApp:
         self.extra_state = extra_state
         self.listeners = tuple(listeners)
         self.group = group
+        self.on_metrics = on_metrics  # refreshes gauges read from other objects, before /metrics renders
         if group is not None:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
                 group.on(op, self.apply_internal)
@@ -270,6 +272,8 @@ class RouterApp:
         self.metrics.engines.labels(state="routable").set(sum(1 for s in states if s.routable))
         self.metrics.engines.labels(state="unroutable").set(sum(1 for s in states if not s.routable))
         self.metrics.queue_depth.set(self.admission.queued)
+        if self.on_metrics is not None:
+            self.on_metrics()
         return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
 
     async def models(self, request: web.Request) -> web.Response:

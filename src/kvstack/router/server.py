@@ -152,6 +152,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         extra_state=lambda state: _prefix_state(state, feeds, locator),
         listeners=[] if feeds is None else [feeds],
         group=group,
+        on_metrics=lambda: _index_gauges(metrics, locator),
     )
     app = router.app()
     # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream request.
@@ -221,6 +222,11 @@ def _circuit_broadcaster(group: WorkerGroup) -> Callable[[str, float], None]:
         task.add_done_callback(pending.discard)
 
     return opened
+
+
+def _index_gauges(metrics: RouterMetrics, locator: PrefixLocator) -> None:
+    metrics.prefix_index_entries.set(len(locator.index))
+    metrics.prefix_index_evictions.set(locator.index.evicted_entries)
 
 
 def _state(registry: EngineRegistry, url: str) -> EngineState | None:

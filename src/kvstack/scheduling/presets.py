@@ -14,10 +14,13 @@
   (it changes with every request sent). load-aware-scorer is left out: for choosing the maximum it only
   repeats the queue signal; it earns its place next to an affinity scorer, as an absolute load brake.
 - kv-aware: the default's load signals and saturation filter, plus precise-prefix-scorer (KV events;
-  routing history for engines without events) weighted 3 and no-hit-lru-scorer weighted 1. A prompt
-  wholly cached on an engine outweighs any load difference short of saturation, which the filter
-  handles; a partial hit (a shared system prompt) competes with load; a cold prompt goes to the engine
-  least recently used, so misses spread and fill every cache.
+  routing history for engines without events) weighted 3, no-hit-lru-scorer weighted 1 and
+  least-qps-scorer weighted 1. A prompt wholly cached on an engine outweighs any load difference short
+  of saturation, which the filter handles; a partial hit (a shared system prompt) competes with load; a
+  cold prompt goes to the engine least recently used, so misses spread and fill every cache. least-qps
+  balances where new conversations start: without it, the engines that already hold a shared system
+  prompt keep winning new users over one that does not, until they hold more conversations than their
+  caches fit (measured in docs/benchmarks.md, "KV-aware routing experiment").
 - prefix: kv-aware with approximate-prefix-scorer (the router's own history) instead of KV events, for
   engines that publish none.
 """
@@ -133,6 +136,9 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-requests-scorer
+- type: least-qps-scorer
+  parameters:
+    windowSeconds: 10
 - type: max-score-picker
 schedulingProfiles:
 - name: default
@@ -147,6 +153,8 @@ schedulingProfiles:
   - pluginRef: kv-cache-utilization-scorer
     weight: 1
   - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: least-qps-scorer
     weight: 1
   - pluginRef: max-score-picker
 """

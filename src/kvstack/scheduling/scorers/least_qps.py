@@ -5,7 +5,9 @@ Formula: qps = (sends in the last ``windowSeconds``) / windowSeconds, counted fr
 score = (max_qps - qps) / (max_qps - min_qps) over the candidates, 1 for all when equal.
 
 Parameters:
-  windowSeconds (number > 0, default 10)  length of the sliding window
+  windowSeconds (number in (0, 10], default 10)  length of the sliding window; the router keeps 10 s
+                                                  of send times per engine, so a longer window would count
+                                                  only 10 s
 
 Cost: O(candidates * log(sends kept)): the send times are sorted, so the window start is a bisection.
 Counts are capped by how many send times the router keeps per engine.
@@ -29,7 +31,7 @@ from kvstack.scheduling.scorers.relative import lower_is_better
 class LeastQPSScorer(Scorer):
     type_name: ClassVar[str] = "least-qps-scorer"
     params: ClassVar[tuple[Param, ...]] = (
-        Param("windowSeconds", "window_seconds", float, 10.0, "a number > 0", lambda v: v > 0),
+        Param("windowSeconds", "window_seconds", float, 10.0, "a number in (0, 10]", lambda v: 0 < v <= 10),
     )
 
     def __init__(self, name: str | None = None, *, window_seconds: float = 10.0) -> None:

@@ -1,0 +1,246 @@
+"""The scheduler half's decisions, free of vLLM types: how many prompt tokens the store can supply, and
+each step's `StepPlan` (see ``kvstack.connector.plan`` for the rules).
+
+`ChunkPlanner` follows vLLM's calls one for one: ``match`` (get_num_new_matched_tokens: a lookup, no
+other effect than remembering its answer), ``allocated`` (update_state_after_alloc), ``schedule_new`` /
+``schedule_cached`` and ``take_plan`` (build_connector_meta), ``finished`` (request_finished). The lookup
+and the key function are passed in, so tests drive it with a dict for a store.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys
+from kvstack.connector.plan import (
+    RankKeys,
+    RequestLoad,
+    RequestSave,
+    StepPlan,
+    loadable_end,
+    plan_load,
+    plan_save,
+)
+
+__all__ = ["ChunkPlanner", "keys_by_rank"]
+
+Locate = Callable[[Sequence[ChunkKey]], list[str]]
+"""The tier of each chunk of the longest consecutive prefix of the keys the store holds (a miss: [])."""
+KeysFor = Callable[[Sequence[int]], list[RankKeys]]
+"""The chunk keys (one per tensor-parallel rank) of every full chunk of some token ids."""
+
+
+def keys_by_rank(layouts: Sequence[KVLayout], chunk_size: int) -> KeysFor:
+    """A `KeysFor` over ``layouts`` (one per tensor-parallel rank, in rank order)."""
+
+    def keys_for(token_ids: Sequence[int]) -> list[RankKeys]:
+        return list(zip(*(chunk_keys(token_ids, layout, chunk_size) for layout in layouts), strict=True))
+
+    return keys_for
+
+
+# Lookups remembered for requests not scheduled yet; vLLM reports every request's end (request_finished),
+# this only bounds the memory if that ever fails to happen.
+_MAX_PENDING = 4096
+
+
+@dataclass(slots=True)
+class _Match:
+    keys: list[RankKeys]
+    num_tokens: int
+    local: int
+    """Tokens of the local prefix hit vLLM told ``match`` (block-aligned)."""
+    first_chunk: int
+    """The chunk holding token ``local``: where the lookup started."""
+    tiers: list[str]
+    """Tier of each stored chunk from ``first_chunk`` on."""
+    external: int = 0
+    """Tokens vLLM agreed to load (``allocated``)."""
+
+
+@dataclass(slots=True)
+class _Tracked:
+    token_ids: list[int]
+    keys: list[RankKeys]
+    block_ids: list[int]
+    next_save: int
+    """The first chunk not saved yet (nor known to be stored, nor a local hit)."""
+
+
+@dataclass(slots=True)
+class ChunkPlanner:
+    chunk_size: int
+    block_size: int
+    keys_for: KeysFor
+    locate: Locate
+    load: bool = True
+    save: bool = True
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
+    disabled: str | None = None
+    """Why the connector is off (then nothing is looked up, loaded or saved)."""
+    _matches: dict[str, _Match] = field(default_factory=dict)
+    _requests: dict[str, _Tracked] = field(default_factory=dict)
+    _ignored: set[str] = field(default_factory=set)
+    _plan: StepPlan = field(default_factory=StepPlan)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.chunk_size % self.block_size:
+            raise ValueError(
+                f"chunk_size {self.chunk_size} is not a multiple of block size {self.block_size}"
+            )
+
+    def disable(self, reason: str) -> None:
+        """Stop looking up, loading and saving (e.g. the workers refused the KV cache layout)."""
+        self.disabled = reason
+        self._matches.clear()
+        self._requests.clear()
+
+    # -- get_num_new_matched_tokens / update_state_after_alloc
+
+    def match(self, req_id: str, token_ids: Sequence[int] | None, num_computed_tokens: int) -> int:
+        """Prompt tokens past the local hit ``num_computed_tokens`` that can be loaded; ``token_ids`` None
+        marks a request whose KV the store must not serve or keep (multimodal, LoRA, cache salt)."""
+        if self.disabled is not None:
+            return 0
+        if token_ids is None:
+            self._ignored.add(req_id)
+            self._matches.pop(req_id, None)
+            return 0
+        self._ignored.discard(req_id)
+        previous = self._matches.get(req_id)
+        if previous is not None and previous.num_tokens == len(token_ids):
+            keys = previous.keys  # asked again while waiting: same prompt, same keys
+        else:
+            keys = self.keys_for(token_ids)
+        first_chunk = num_computed_tokens // self.chunk_size
+        tiers: list[str] = []
+        if self.load and first_chunk < len(keys):
+            tiers = self.locate([k[0] for k in keys[first_chunk:]])
+        if len(self._matches) >= _MAX_PENDING and req_id not in self._matches:
+            self._matches.pop(next(iter(self._matches)))
+        self._matches[req_id] = _Match(keys, len(token_ids), num_computed_tokens, first_chunk, tiers)
+        stored_end = (first_chunk + len(tiers)) * self.chunk_size
+        return max(0, loadable_end(len(token_ids), stored_end, self.block_size) - num_computed_tokens)
+
+    def allocated(self, req_id: str, num_external_tokens: int) -> None:
+        match = self._matches.get(req_id)
+        if match is not None:
+            match.external = num_external_tokens
+
+    def sources(self, req_id: str, num_external_tokens: int) -> dict[str, int]:
+        """The external tokens split by the tier that holds them (what vLLM labels its hit metrics with)."""
+        match = self._matches.get(req_id)
+        if match is None or num_external_tokens <= 0:
+            return {}
+        start, end = match.local, match.local + num_external_tokens
+        split: dict[str, int] = {}
+        for i, tier in enumerate(match.tiers):
+            lo = max(start, (match.first_chunk + i) * self.chunk_size)
+            hi = min(end, (match.first_chunk + i + 1) * self.chunk_size)
+            if hi > lo:
+                split[tier] = split.get(tier, 0) + hi - lo
+        return split
+
+    # -- build_connector_meta
+
+    def schedule_new(
+        self,
+        req_id: str,
+        token_ids: Sequence[int],
+        block_ids: Sequence[int],
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+    ) -> None:
+        """A request scheduled for the first time (or again, from scratch): ``num_computed_tokens`` counts
+        the local hit and the tokens to load."""
+        match = self._matches.pop(req_id, None)
+        if self.disabled is not None or req_id in self._ignored:
+            return
+        if match is None or match.num_tokens != len(token_ids):
+            first_chunk = num_computed_tokens // self.chunk_size
+            match = _Match(self.keys_for(token_ids), len(token_ids), num_computed_tokens, first_chunk, [])
+        tracked = _Tracked(list(token_ids), match.keys, list(block_ids), match.first_chunk + len(match.tiers))
+        self._requests[req_id] = tracked
+        if match.external > 0:
+            self._plan_load(req_id, tracked, num_computed_tokens - match.external, num_computed_tokens)
+        self._plan_save(req_id, tracked, num_computed_tokens + num_scheduled_tokens)
+
+    def schedule_cached(
+        self,
+        req_id: str,
+        new_block_ids: Sequence[int] | None,
+        resumed: bool,
+        num_computed_tokens: int,
+        num_scheduled_tokens: int,
+    ) -> None:
+        """A request scheduled before: ``new_block_ids`` are appended blocks, or all of them if resumed
+        after a preemption."""
+        tracked = self._requests.get(req_id)
+        if tracked is None:
+            return
+        if resumed:
+            tracked.block_ids = list(new_block_ids or ())
+            match = self._matches.pop(req_id, None)
+            if match is not None and match.external > 0:
+                self._plan_load(req_id, tracked, num_computed_tokens - match.external, num_computed_tokens)
+        elif new_block_ids:
+            tracked.block_ids += new_block_ids
+        self._plan_save(req_id, tracked, num_computed_tokens + num_scheduled_tokens)
+
+    def take_plan(self) -> StepPlan:
+        """This step's plan; the next step starts a new one."""
+        plan, self._plan = self._plan, StepPlan()
+        return plan
+
+    def finished(self, req_id: str) -> None:
+        self._matches.pop(req_id, None)
+        self._requests.pop(req_id, None)
+        self._ignored.discard(req_id)
+
+    @property
+    def num_tracked(self) -> int:
+        return len(self._requests) + len(self._matches) + len(self._ignored)
+
+    # -- planning
+
+    def _plan_load(self, req_id: str, tracked: _Tracked, start: int, end: int) -> None:
+        try:
+            chunks = plan_load(
+                tracked.keys,
+                start,
+                end,
+                chunk_size=self.chunk_size,
+                block_size=self.block_size,
+                block_ids=tracked.block_ids,
+            )
+        except ValueError as e:
+            # vLLM counts these tokens as computed: report their blocks as failed so it recomputes them.
+            lo, hi = start // self.block_size, -(-end // self.block_size)
+            self._plan.failed_block_ids += tracked.block_ids[max(lo, 0) : hi]
+            self.log.warning("kvstack connector: request %s: cannot load (%s); recomputing", req_id, e)
+            return
+        self._plan.loads.append(RequestLoad(req_id, chunks))
+
+    def _plan_save(self, req_id: str, tracked: _Tracked, computed: int) -> None:
+        if not self.save:
+            return
+        have_blocks = len(tracked.block_ids) * self.block_size // self.chunk_size
+        end_chunk = min(
+            min(computed, len(tracked.token_ids)) // self.chunk_size, len(tracked.keys), have_blocks
+        )
+        if end_chunk <= tracked.next_save:
+            return
+        first = tracked.next_save
+        chunks = plan_save(
+            tracked.keys,
+            tracked.token_ids,
+            first,
+            end_chunk,
+            chunk_size=self.chunk_size,
+            block_size=self.block_size,
+            block_ids=tracked.block_ids,
+        )
+        tracked.next_save = end_chunk
+        self._plan.saves.append(RequestSave(req_id, tracked.keys[first - 1] if first else None, chunks))

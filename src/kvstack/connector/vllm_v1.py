@@ -1,0 +1,409 @@
+"""`KVStackConnector`: kvstack's KV cache tier as a vLLM (0.32) ``KVConnectorBase_V1``.
+
+Load it with ``--kv-transfer-config '{"kv_connector": "KVStackConnector", "kv_connector_module_path":
+"kvstack.connector.vllm_v1", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+"kv_connector_extra_config": {"server": "tcp://127.0.0.1:5560"}}'`` (settings: ``kvstack.connector.config``).
+
+vLLM builds it twice. The scheduler half answers ``get_num_new_matched_tokens`` with one lookup on the
+cache server and plans each step's loads and saves (``kvstack.connector.planner``); the worker half copies
+chunks into the allocated blocks in ``start_load_kv`` (synchronous, before the forward pass) and saves the
+newly computed full chunks in ``wait_for_save`` (synchronous, after it). ``wait_for_layer_load`` and
+``save_kv_layer`` do nothing: the whole step's KV is moved at once.
+
+Faults never reach vLLM as exceptions: a lookup that fails is a miss, a load that fails reports its blocks
+in ``get_block_ids_with_load_errors`` (vLLM recomputes them under ``kv_load_failure_policy: "recompute"``;
+under the default "fail" it fails the request), a save that fails is dropped. A KV cache layout or model
+the connector cannot handle turns it off (logged once, and the worker tells the scheduler half through
+its worker metadata); the engine then runs as if it had no connector.
+"""
+
+# torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
+# mypy: disable-error-code="import-not-found"
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorWorkerMetadata,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvstack.cache.client import CacheClient
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.protocol import ThrottledLog
+from kvstack.connector.config import ConnectorConfig, parse_config
+from kvstack.connector.layout import AttentionShape, detect_layout, kv_layout
+from kvstack.connector.plan import StepPlan
+from kvstack.connector.planner import ChunkPlanner, keys_by_rank
+from kvstack.connector.worker import BlockMover
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KVStackConnector", "KVStackConnectorMetadata", "KVStackWorkerReport"]
+
+# A child of vLLM's logger: vLLM configures only "vllm", so these lines get its handler, format and level.
+log = logging.getLogger("vllm.kvstack.connector")
+
+_TIER_SOURCES = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+@dataclass
+class KVStackConnectorMetadata(KVConnectorMetadata):
+    """Scheduler half -> workers, once per step."""
+
+    plan: StepPlan = field(default_factory=StepPlan)
+
+
+@dataclass
+class KVStackWorkerReport(KVConnectorWorkerMetadata):
+    """Workers -> scheduler half: a worker turned the connector off (sent once)."""
+
+    disabled: str | None = None
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        return self if self.disabled is not None or not isinstance(other, KVStackWorkerReport) else other
+
+
+def attention_shape(kv_cache_config: KVCacheConfig | None) -> tuple[AttentionShape | None, str | None]:
+    """Every layer's KV shape from vLLM's KV cache spec, or why the connector cannot handle the model."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVQuantMode, MLAAttentionSpec
+
+    if kv_cache_config is None:
+        return None, "vLLM passed no KV cache config"
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1:
+        return None, f"{len(groups)} KV cache groups (a hybrid model); only one full-attention group works"
+    spec = groups[0].kv_cache_spec
+    if not isinstance(spec, FullAttentionSpec) or isinstance(spec, MLAAttentionSpec):
+        return None, f"KV cache spec {type(spec).__name__}; only full attention (not MLA) works"
+    if spec.sliding_window is not None or spec.attention_chunk_size is not None:
+        return None, "sliding-window or chunked-local attention is not supported"
+    if spec.kv_quant_mode != KVQuantMode.NONE or spec.head_size_v != spec.head_size:
+        return None, "a quantized KV cache, or V heads of another size than K, is not supported"
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        return None, "a packed KV cache page (head slots, state bytes, tokens per state) is not supported"
+    shape = AttentionShape(
+        num_layers=len(groups[0].layer_names),
+        num_kv_heads=spec.num_kv_heads,
+        head_size=spec.head_size,
+        dtype=str(spec.dtype).removeprefix("torch."),
+        block_size=spec.block_size,
+    )
+    return shape, None
+
+
+def _parallel_problem(vllm_config: VllmConfig) -> str | None:
+    parallel = vllm_config.parallel_config
+    if parallel.pipeline_parallel_size != 1 or parallel.decode_context_parallel_size != 1:
+        return "pipeline or decode-context parallelism is not supported (a rank would hold part of a chunk)"
+    return None
+
+
+def cacheable_tokens(request: Request) -> list[int] | None:
+    """The prompt tokens whose KV the store may serve and keep, or None when the KV depends on more than
+    the tokens (images, a LoRA adapter) or must not be shared (a cache salt)."""
+    if request.mm_features or request.lora_request is not None or request.cache_salt:
+        return None
+    return request.prompt_token_ids
+
+
+class KVStackConnector(KVConnectorBase_V1):
+    """kvstack's KV cache tier behind vLLM's KV connector API (see the module docstring)."""
+
+    _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
+    ) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        self._config: ConnectorConfig = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._block_size = vllm_config.cache_config.block_size
+        self._config.check_block_size(self._block_size)
+        from vllm.platforms import current_platform
+
+        self._platform = current_platform.device_type
+        self._attn, problem = attention_shape(kv_cache_config)
+        self._disabled = problem or _parallel_problem(vllm_config)
+        self._model = self._config.model_id or vllm_config.model_config.model
+        self._tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._engine = self._kv_transfer_config.engine_id or ""
+        self._warn = ThrottledLog(log, 10.0)
+        self._client: CacheClient | None = None
+        # scheduler half
+        self._planner: ChunkPlanner | None = None
+        # worker half
+        self._mover: BlockMover | None = None
+        self._failed: set[int] = set()
+        self._reported = False
+        if self._disabled is not None:
+            log.warning(
+                "kvstack connector: off (%s); the engine runs without the KV cache tier", self._disabled
+            )
+        if role == KVConnectorRole.SCHEDULER:
+            self._start_scheduler()
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a dropped save is a future miss, never lost work
+
+    # ==============================
+    # Scheduler half
+    # ==============================
+
+    def _start_scheduler(self) -> None:
+        config, transfer = self._config, self._kv_transfer_config
+        layouts = [
+            kv_layout(self._model, self._attn, platform=self._platform, tp_rank=r, tp_size=self._tp_size)
+            for r in range(self._tp_size)
+            if self._attn is not None
+        ]
+        self._planner = ChunkPlanner(
+            chunk_size=config.chunk_size,
+            block_size=self._block_size,
+            keys_for=keys_by_rank(layouts, config.chunk_size),
+            locate=self._locate,
+            load=config.load and transfer.is_kv_consumer,
+            save=config.save and transfer.is_kv_producer,
+            log=log,
+        )
+        if self._disabled is not None:
+            self._planner.disable(self._disabled)
+            return
+        self._client = self._new_client(shm=False, name=f"vllm-scheduler:{self._engine}")
+        log.info(
+            "kvstack connector: server %s, chunks of %d tokens (%d blocks), load %s, save %s, keys of %s",
+            config.server,
+            config.chunk_size,
+            config.chunk_size // self._block_size,
+            self._planner.load,
+            self._planner.save,
+            layouts[0],
+        )
+        if transfer.kv_load_failure_policy != "recompute":
+            log.warning(
+                "kvstack connector: kv_load_failure_policy is %r: a chunk that fails to load fails its "
+                'request; set "kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it',
+                transfer.kv_load_failure_policy,
+            )
+
+    def _new_client(self, *, shm: bool, name: str) -> CacheClient:
+        config = self._config
+        return CacheClient(
+            config.server,
+            secret=config.secret(),
+            timeout_s=config.timeout_s,
+            shm=shm,
+            arena_bytes=config.arena_mb << 20,
+            retry_initial_s=config.timeout_s,
+            retry_max_s=config.retry_max_s,
+            name=name,
+        )
+
+    def _locate(self, keys: Sequence[ChunkKey]) -> list[str]:
+        return [] if self._client is None else self._client.locate(keys)
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._planner is not None
+        try:
+            tokens = cacheable_tokens(request)
+            return self._planner.match(request.request_id, tokens, num_computed_tokens), False
+        except Exception as e:  # never into vLLM's scheduler loop
+            self._warn.warning("kvstack connector: lookup of %s failed (%r); a miss", request.request_id, e)
+            return 0, False
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._planner is not None
+        self._planner.allocated(request.request_id, num_external_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._planner is not None
+        sources: dict[CacheHitSource, int] = {}
+        for tier, tokens in self._planner.sources(request.request_id, num_external_tokens).items():
+            source = _TIER_SOURCES.get(tier, CacheHitSource.EXTERNAL_UNSPECIFIED)
+            sources[source] = sources.get(source, 0) + tokens
+        if sum(sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return sources
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        planner = self._planner
+        assert planner is not None
+        scheduled = scheduler_output.num_scheduled_tokens
+        try:
+            for new in scheduler_output.scheduled_new_reqs:
+                if new.prompt_token_ids is not None:
+                    planner.schedule_new(
+                        new.req_id,
+                        new.prompt_token_ids,
+                        new.block_ids[0],
+                        new.num_computed_tokens,
+                        scheduled.get(new.req_id, 0),
+                    )
+            cached = scheduler_output.scheduled_cached_reqs
+            for i, req_id in enumerate(cached.req_ids):
+                new_blocks = cached.new_block_ids[i]
+                planner.schedule_cached(
+                    req_id,
+                    None if new_blocks is None else new_blocks[0],
+                    req_id in cached.resumed_req_ids,
+                    cached.num_computed_tokens[i],
+                    scheduled.get(req_id, 0),
+                )
+        except Exception as e:
+            self._warn.warning("kvstack connector: planning the step failed (%r); nothing saved this step", e)
+        return KVStackConnectorMetadata(planner.take_plan())
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        planner = self._planner
+        if not isinstance(report, KVStackWorkerReport) or not report.disabled:
+            return
+        if planner is not None and planner.disabled is None:
+            log.warning("kvstack connector: off, a worker reports: %s", report.disabled)
+            planner.disable(report.disabled)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._planner is not None
+        self._planner.finished(request.request_id)
+        return False, None
+
+    # ==============================
+    # Worker half
+    # ==============================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self._disabled is not None or self._attn is None:
+            return
+        names = self._kv_cache_config.kv_cache_groups[0].layer_names
+        missing = [name for name in names if name not in kv_caches]
+        if missing:
+            self._disable(f"vLLM registered no KV cache for layers {missing[:3]}")
+            return
+        layers = [kv_caches[name] for name in names]
+        first = layers[0]
+        log.info(
+            "kvstack connector: %d KV cache layers, each %s %s on %s, strides %s; spec %s",
+            len(layers),
+            tuple(first.shape),
+            first.dtype,
+            first.device,
+            tuple(first.stride()),
+            self._attn,
+        )
+        verdict = detect_layout(tuple(first.shape), self._attn, platform=self._platform)
+        if not verdict.supported:
+            self._disable(f"KV cache layout {verdict.name}: {verdict.reason}")
+            return
+        if any(t.shape != first.shape or t.dtype != first.dtype for t in layers):
+            self._disable("the layers' KV caches differ in shape or dtype")
+            return
+        if str(first.dtype).removeprefix("torch.") != self._attn.dtype:
+            self._disable(f"KV cache dtype {first.dtype} is not the spec's {self._attn.dtype}")
+            return
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        rank = get_tensor_model_parallel_rank()
+        self._mover = BlockMover(
+            layers,
+            blocks_per_chunk=self._config.chunk_size // self._block_size,
+            rank=rank,
+            client=self._new_client(shm=self._config.shm, name=f"vllm-worker{rank}:{self._engine}"),
+        )
+        log.info(
+            "kvstack connector: layout %s, %d bytes per chunk, rank %d of %d",
+            verdict.name,
+            self._mover.chunk_bytes,
+            rank,
+            self._tp_size,
+        )
+
+    def _disable(self, reason: str) -> None:
+        self._disabled = reason
+        log.warning("kvstack connector: off (%s); the engine runs without the KV cache tier", reason)
+
+    def _plan(self) -> StepPlan | None:
+        meta = self._connector_metadata
+        return meta.plan if isinstance(meta, KVStackConnectorMetadata) else None
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        plan = self._plan()
+        if plan is None:
+            return
+        self._failed.update(plan.failed_block_ids)
+        for load in plan.loads:
+            if self._mover is None:
+                self._failed.update(load.block_ids())
+                continue
+            try:
+                loaded, failed = self._mover.load(load)
+            except Exception as e:  # a bug here must cost a recompute, not the engine
+                loaded, failed = 0, load.block_ids()
+                log.exception("kvstack connector: loading %s failed: %r", load.req_id, e)
+            if failed:
+                self._failed.update(failed)
+                self._warn.warning(
+                    "kvstack connector: request %s: loaded %d of %d chunks; %d blocks to recompute",
+                    load.req_id,
+                    loaded,
+                    len(load.chunks),
+                    len(failed),
+                )
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv loaded every layer already
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        return  # wait_for_save saves every layer at once
+
+    def wait_for_save(self) -> None:
+        plan = self._plan()
+        if plan is None or self._mover is None:
+            return
+        for save in plan.saves:
+            try:
+                saved = self._mover.save(save)
+            except Exception as e:
+                saved = False
+                log.exception("kvstack connector: saving %s failed: %r", save.req_id, e)
+            if not saved:
+                self._warn.warning(
+                    "kvstack connector: request %s: %d chunks not saved", save.req_id, len(save.chunks)
+                )
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        if self._disabled is None or self._reported or self._role != KVConnectorRole.WORKER:
+            return None
+        self._reported = True
+        return KVStackWorkerReport(self._disabled)
+
+    def shutdown(self) -> None:
+        client = self._mover.client if self._mover is not None else self._client
+        if client is not None:
+            client.close()

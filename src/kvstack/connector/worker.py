@@ -1,0 +1,90 @@
+"""The worker half's I/O: whole KV blocks between vLLM's per-layer cache tensors and chunk payloads.
+
+A chunk's payload is the raw bytes of a ``[layers, blocks_per_chunk, *block]`` tensor (one per chunk,
+every layer in it, so the store's chunk is the router's block); its size is checked on load, its meaning
+is pinned by the key namespace (see ``kvstack.connector.layout``). Loads and saves are synchronous: a load
+is copied in before the forward pass reads it, a save is sent before the step ends (the blocks are still
+the request's then).
+
+`BlockMover` never raises for a cache fault: a lost or malformed chunk is a failed load (its blocks and
+every later block of the request are returned as failed, so vLLM recomputes them; a chunk of the wrong
+size is evicted), a failed put is a dropped save.
+"""
+
+# torch is not in kvstack's dev environment; it is in the vLLM environment this runs in.
+# mypy: disable-error-code="import-not-found"
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+
+from kvstack.cache.client import CacheClient
+from kvstack.connector.plan import ChunkLoad, RequestLoad, RequestSave
+
+__all__ = ["BlockMover"]
+
+
+class BlockMover:
+    """Copies chunks between a `CacheClient` and the KV blocks of ``layers`` (``[num_blocks, *block]``
+    each, in the key namespace's layer order), as tensor-parallel rank ``rank``."""
+
+    def __init__(
+        self, layers: Sequence[torch.Tensor], *, blocks_per_chunk: int, rank: int, client: CacheClient
+    ) -> None:
+        if not layers:
+            raise ValueError("no KV cache layers to move")
+        self._layers = list(layers)
+        self._dtype = layers[0].dtype
+        self.chunk_shape = (len(layers), blocks_per_chunk, *layers[0].shape[1:])
+        self.chunk_bytes = math.prod(self.chunk_shape) * layers[0].element_size()
+        self._rank = rank
+        self.client = client
+
+    def load(self, load: RequestLoad) -> tuple[int, list[int]]:
+        """Copies the chunks of ``load`` into their blocks: (chunks loaded, blocks that failed)."""
+        got = self.client.get([chunk.keys[self._rank] for chunk in load.chunks])
+        if got is None:
+            return 0, load.block_ids()
+        with got:
+            for i, chunk in enumerate(load.chunks):
+                if i >= len(got):
+                    return i, load.block_ids(i)
+                if len(got[i]) != self.chunk_bytes:
+                    # It can never load: evict it, so lookups stop offering it and the next engine to
+                    # compute the chunk saves it again.
+                    self.client.evict([chunk.keys[self._rank]])
+                    return i, load.block_ids(i)
+                self._copy_in(got[i], chunk)
+        return len(load.chunks), []
+
+    def save(self, save: RequestSave) -> bool:
+        """Sends the chunks of ``save``; token ids go with rank 0's only (one admit event per chunk)."""
+        rank = self._rank
+        payloads = [self._gather(chunk.block_ids) for chunk in save.chunks]
+        return self.client.put(
+            [chunk.keys[rank] for chunk in save.chunks],
+            payloads,
+            token_ids=[chunk.token_ids for chunk in save.chunks] if rank == 0 else None,
+            parent=None if save.parent is None else save.parent[rank],
+        )
+
+    def _copy_in(self, payload: memoryview, chunk: ChunkLoad) -> None:
+        with warnings.catch_warnings():
+            # The payload is a read-only view (shared memory or a ZMQ frame); it is only read here.
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(payload, dtype=torch.uint8)
+        source = raw.view(self._dtype).view(self.chunk_shape)
+        blocks = slice(chunk.first_block, chunk.first_block + len(chunk.block_ids))
+        index = torch.tensor(chunk.block_ids, dtype=torch.long)
+        for layer, cache in enumerate(self._layers):
+            cache.index_copy_(0, index, source[layer, blocks])
+
+    def _gather(self, block_ids: Sequence[int]) -> memoryview:
+        out = torch.empty(self.chunk_shape, dtype=self._dtype)
+        index = torch.tensor(block_ids, dtype=torch.long)
+        for layer, cache in enumerate(self._layers):
+            torch.index_select(cache, 0, index, out=out[layer])
+        return memoryview(out.view(-1).view(torch.uint8).numpy())
