@@ -34,7 +34,15 @@ $(VLLM)/.installed:
 	$(VLLM)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
 	touch $@
 
-vllm: $(VLLM)/.installed
+# kvstack.connector runs inside vLLM: kvstack goes into vLLM's virtualenv without its server dependencies
+# (the connector imports only the cache client, keys and protocol: pyzmq, msgspec and blake3 come with vLLM).
+$(VLLM)/.kvstack: $(VLLM)/.installed pyproject.toml
+	$(VLLM)/bin/pip install -q --no-deps -e .
+	$(VLLM)/bin/pip install -q 'xxhash>=3.4'
+	$(VLLM)/bin/python -c "import kvstack.connector"
+	touch $@
+
+vllm: $(VLLM)/.installed $(VLLM)/.kvstack
 
 # A local stack: 2 simulated engines (the tiny model's tokenizer) behind the router on :8080.
 run: dev

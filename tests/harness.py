@@ -116,8 +116,13 @@ def start_vllm(
     replay: bool = True,
     extra_args: list[str] | None = None,
     deadline_s: float = 300.0,
+    kv_transfer_config: dict[str, object] | None = None,
+    env: dict[str, str] | None = None,
 ) -> EngineProcess:
-    """Start real vLLM (CPU) serving ``model_dir`` with dummy weights and KV events on."""
+    """Start real vLLM (CPU) serving ``model_dir`` with dummy weights and KV events on.
+
+    ``kv_transfer_config`` becomes ``--kv-transfer-config`` (a KV connector); ``env`` is added to the
+    server's environment (e.g. ``PYTHONPATH`` so that vLLM imports a connector from this checkout)."""
     port, ev_port = free_port(), free_port()
     replay_port = free_port() if replay else None
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{ev_port}"}
@@ -149,13 +154,16 @@ def start_vllm(
     ]
     if num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+    if kv_transfer_config is not None:
+        cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     cmd += extra_args or []
-    env = dict(os.environ)
+    server_env = dict(os.environ)
     # Dev mode serves /reset_prefix_cache, which tests use to start from an empty prefix cache.
-    env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
+    server_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
+    server_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
-    proc = _spawn(cmd, env, log_path)
+    proc = _spawn(cmd, server_env, log_path)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url, log_path, deadline_s)

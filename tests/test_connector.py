@@ -1,0 +1,481 @@
+"""The vLLM connector's pure parts, without vLLM or torch: config parsing, layout detection from shapes,
+chunk keys, block arithmetic, and the scheduler half's plans against a dict standing in for the store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from kvstack.cache.keys import ChunkKey, chunk_keys
+from kvstack.connector import (
+    AttentionShape,
+    ChunkPlanner,
+    ConfigError,
+    detect_layout,
+    keys_by_rank,
+    kv_layout,
+    loadable_end,
+    parse_config,
+    plan_load,
+    plan_save,
+)
+from kvstack.connector.plan import ChunkLoad
+
+BLOCK = 128
+CHUNK = 256
+TINY = AttentionShape(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16", block_size=BLOCK)
+LAYOUT = kv_layout("tiny", TINY, platform="cpu", tp_rank=0, tp_size=1)
+
+
+def tokens(n: int, seed: int = 1) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(n)]
+
+
+# -- config
+
+
+def test_config_defaults_and_overrides() -> None:
+    config = parse_config({"server": "tcp://127.0.0.1:5560"})
+    assert (config.chunk_size, config.load, config.save, config.timeout_s) == (256, True, True, 1.0)
+    config = parse_config(
+        {"server": "ipc:///tmp/c", "chunk_size": 512, "load": False, "timeout_s": 2, "model_id": "m"}
+    )
+    assert (config.chunk_size, config.load, config.save, config.timeout_s, config.model_id) == (
+        512,
+        False,
+        True,
+        2,
+        "m",
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({}, "server must be the cache server's ZMQ endpoint"),
+        ({"server": "127.0.0.1:5560"}, "server must be"),
+        ({"server": "tcp://h:1", "laod": False}, "unknown kv_connector_extra_config keys ['laod']"),
+        ({"server": "tcp://h:1", "chunk_size": "256"}, "chunk_size must be int"),
+        ({"server": "tcp://h:1", "chunk_size": True}, "chunk_size must be int"),
+        ({"server": "tcp://h:1", "load": 1}, "load must be bool"),
+        ({"server": "tcp://h:1", "chunk_size": 0}, "chunk_size must be >= 1"),
+        ({"server": "tcp://h:1", "timeout_s": 0}, "need 0 < timeout_s <= retry_max_s"),
+        ({"server": "tcp://h:1", "timeout_s": 5, "retry_max_s": 1}, "need 0 < timeout_s <= retry_max_s"),
+        ({"server": "tcp://h:1", "model_id": ""}, "model_id must not be empty"),
+    ],
+)
+def test_config_errors_say_what_to_fix(extra: dict[str, object], says: str) -> None:
+    with pytest.raises(ConfigError, match="kvstack connector: ") as e:
+        parse_config(extra)
+    assert says in str(e.value)
+
+
+def test_chunk_size_must_be_whole_blocks() -> None:
+    parse_config({"server": "tcp://h:1", "chunk_size": 384}).check_block_size(128)
+    with pytest.raises(ConfigError, match=r"not a multiple of vLLM's block size 128.*e\.g\. 256"):
+        parse_config({"server": "tcp://h:1", "chunk_size": 300}).check_block_size(128)
+
+
+def test_secret_file(tmp_path: Path) -> None:
+    (tmp_path / "s").write_text(" sesame\n")
+    assert parse_config({"server": "tcp://h:1", "secret_file": str(tmp_path / "s")}).secret() == b"sesame"
+    (tmp_path / "e").write_text("\n")
+    with pytest.raises(ConfigError, match="is empty"):
+        parse_config({"server": "tcp://h:1", "secret_file": str(tmp_path / "e")}).secret()
+
+
+# -- layout
+
+
+def test_cpu_layout_is_supported() -> None:
+    verdict = detect_layout((64, 2, 128, 128), TINY, platform="cpu")
+    assert verdict.supported and verdict.name == "[blocks,kv_heads,block,2*head]"
+
+
+@pytest.mark.parametrize(
+    ("shape", "name"),
+    [
+        ((2, 64, 128, 2, 64), "[2,blocks,block,kv_heads,head]"),
+        ((2, 64, 2, 128, 64), "[2,blocks,kv_heads,block,head]"),
+        ((64, 2, 128, 2, 64), "[blocks,2,block,kv_heads,head]"),
+        ((64, 2, 2, 128, 64), "[blocks,2,kv_heads,block,head]"),
+        ((64, 128, 576), "[blocks,block,latent]"),
+        ((64, 2, 128, 64), "unknown"),  # K only?
+        ((64, 4, 128, 128), "unknown"),  # another head count
+        ((64, 2, 64, 128), "unknown"),  # another block size
+    ],
+)
+def test_other_layouts_are_named_and_refused(shape: tuple[int, ...], name: str) -> None:
+    verdict = detect_layout(shape, TINY, platform="cpu")
+    assert (verdict.name, verdict.supported) == (name, False)
+    assert verdict.reason
+
+
+def test_cpu_shape_on_a_gpu_is_refused() -> None:
+    verdict = detect_layout((64, 2, 128, 128), TINY, platform="cuda")
+    assert not verdict.supported and "on cuda is not verified" in verdict.reason
+
+
+# -- keys
+
+
+def test_key_namespace_names_model_layout_block_size_and_rank() -> None:
+    assert LAYOUT.block_layout == "vllm-cpu:[blocks,kv_heads,block=128,2*head]"
+    prompt = tokens(512)
+    base = chunk_keys(prompt, LAYOUT, CHUNK)
+    assert base == chunk_keys(prompt, kv_layout("tiny", TINY, platform="cpu", tp_rank=0, tp_size=1), CHUNK)
+    others = [
+        kv_layout("other", TINY, platform="cpu", tp_rank=0, tp_size=1),
+        kv_layout("tiny", TINY, platform="cuda", tp_rank=0, tp_size=1),
+        kv_layout("tiny", TINY, platform="cpu", tp_rank=1, tp_size=2),
+        kv_layout(
+            "tiny",
+            AttentionShape(2, 2, 64, "bfloat16", block_size=256),
+            platform="cpu",
+            tp_rank=0,
+            tp_size=1,
+        ),
+        kv_layout("tiny", AttentionShape(2, 2, 64, "float16", BLOCK), platform="cpu", tp_rank=0, tp_size=1),
+    ]
+    for layout in others:
+        assert not set(chunk_keys(prompt, layout, CHUNK)) & set(base), layout
+
+
+def test_keys_by_rank_gives_each_rank_its_own_chain() -> None:
+    layouts = [kv_layout("tiny", TINY, platform="cpu", tp_rank=r, tp_size=2) for r in range(2)]
+    keys = keys_by_rank(layouts, CHUNK)(tokens(600))
+    assert len(keys) == 2 and all(len(k) == 2 and k[0] != k[1] for k in keys)
+    assert [k[1] for k in keys] == chunk_keys(tokens(600), layouts[1], CHUNK)
+    assert keys_by_rank(layouts, CHUNK)(tokens(255)) == []
+
+
+def test_keys_do_not_depend_on_the_process_or_hash_seed() -> None:
+    script = (
+        "import json; from kvstack.cache.keys import chunk_keys; "
+        "from kvstack.connector import AttentionShape, kv_layout; "
+        "layout = kv_layout('tiny', AttentionShape(2, 2, 64, 'bfloat16', 128), platform='cpu', "
+        "tp_rank=0, tp_size=1); "
+        f"print(json.dumps([k.hex() for k in chunk_keys({tokens(600)}, layout, 256)]))"
+    )
+    seen = set()
+    for seed in ("0", "12345"):
+        out = subprocess.run(
+            [sys.executable, "-c", script],
+            env={**os.environ, "PYTHONHASHSEED": seed},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        seen.add(tuple(json.loads(out)))
+    assert seen == {tuple(k.hex() for k in chunk_keys(tokens(600), LAYOUT, CHUNK))}
+
+
+def test_importing_the_package_pulls_in_no_server_or_engine_dependencies() -> None:
+    script = (
+        "import sys, kvstack.connector; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & "
+        "{'aiohttp', 'prometheus_client', 'torch', 'vllm', 'redis', 'uvloop', 'tokenizers', 'yaml'}))"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+# -- block arithmetic
+
+
+@pytest.mark.parametrize(
+    ("prompt", "stored_end", "end"),
+    [
+        (600, 512, 512),  # two stored chunks, the rest computed
+        (600, 768, 512),  # capped below the last token's block
+        (512, 512, 384),  # a whole-chunk prompt: the last block is computed
+        (513, 512, 512),
+        (257, 256, 256),
+        (256, 256, 128),
+        (100, 256, 0),  # shorter than a block
+        (600, 0, 0),
+        (0, 0, 0),
+    ],
+)
+def test_loadable_end_leaves_the_last_token_to_vllm(prompt: int, stored_end: int, end: int) -> None:
+    assert loadable_end(prompt, stored_end, BLOCK) == end
+
+
+def rank_keys(n: int) -> list[tuple[ChunkKey, ...]]:
+    return [(k,) for k in chunk_keys(tokens(n * CHUNK), LAYOUT, CHUNK)]
+
+
+def test_plan_load_copies_only_the_blocks_past_the_local_hit() -> None:
+    keys = rank_keys(2)
+    blocks = [10, 11, 12, 13, 14]
+    # local hit of one block: chunk 0 is fetched, only its second block copied
+    assert plan_load(keys, 128, 512, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks) == (
+        ChunkLoad(keys[0], 1, (11,)),
+        ChunkLoad(keys[1], 0, (12, 13)),
+    )
+    # the end inside a chunk (capped for the last token): the chunk's first block only
+    assert plan_load(keys, 0, 384, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks) == (
+        ChunkLoad(keys[0], 0, (10, 11)),
+        ChunkLoad(keys[1], 0, (12,)),
+    )
+    assert plan_load(keys, 256, 512, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks) == (
+        ChunkLoad(keys[1], 0, (12, 13)),
+    )
+    # a 512-token chunk of four blocks
+    big = [(k,) for k in chunk_keys(tokens(1024), LAYOUT, 512)]
+    assert plan_load(big, 128, 640, chunk_size=512, block_size=BLOCK, block_ids=list(range(8))) == (
+        ChunkLoad(big[0], 1, (1, 2, 3)),
+        ChunkLoad(big[1], 0, (4,)),
+    )
+
+
+@pytest.mark.parametrize(
+    ("start", "end", "says"),
+    [
+        (100, 512, "block-aligned"),
+        (0, 500, "block-aligned"),
+        (256, 256, "non-empty"),
+        (0, 768, "needs chunk 2"),
+    ],
+)
+def test_plan_load_refuses_ranges_it_cannot_fill(start: int, end: int, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        plan_load(rank_keys(2), start, end, chunk_size=CHUNK, block_size=BLOCK, block_ids=list(range(8)))
+    with pytest.raises(ValueError, match="blocks"):
+        plan_load(rank_keys(2), 0, 512, chunk_size=CHUNK, block_size=BLOCK, block_ids=[1, 2, 3])
+
+
+def test_plan_save_takes_each_chunks_tokens_and_blocks() -> None:
+    prompt = tokens(600)
+    keys = [(k,) for k in chunk_keys(prompt, LAYOUT, CHUNK)]
+    saves = plan_save(keys, prompt, 1, 2, chunk_size=CHUNK, block_size=BLOCK, block_ids=[5, 6, 7, 8, 9])
+    assert len(saves) == 1
+    assert saves[0].keys == keys[1] and saves[0].block_ids == (7, 8)
+    assert saves[0].token_ids == tuple(prompt[256:512])
+    with pytest.raises(ValueError, match="needs 3 keys"):
+        plan_save(keys, prompt, 0, 3, chunk_size=CHUNK, block_size=BLOCK, block_ids=list(range(6)))
+
+
+# -- the scheduler half
+
+
+class FakeStore:
+    """The cache server's lookup over a dict: key -> tier."""
+
+    def __init__(self) -> None:
+        self.tiers: dict[bytes, str] = {}
+        self.lookups: list[list[bytes]] = []
+
+    def locate(self, keys: Sequence[ChunkKey]) -> list[str]:
+        self.lookups.append(list(keys))
+        found = []
+        for key in keys:
+            if key not in self.tiers:
+                break
+            found.append(self.tiers[key])
+        return found
+
+    def hold(self, prompt: list[int], chunks: int, tier: str = "memory") -> None:
+        for key in chunk_keys(prompt, LAYOUT, CHUNK)[:chunks]:
+            self.tiers[key] = tier
+
+
+def planner(store: FakeStore, **kw: bool) -> ChunkPlanner:
+    return ChunkPlanner(
+        chunk_size=CHUNK, block_size=BLOCK, keys_for=keys_by_rank([LAYOUT], CHUNK), locate=store.locate, **kw
+    )
+
+
+def test_cold_prompt_saves_its_full_chunks_with_tokens_and_parents() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    p = planner(store)
+    assert p.match("r", prompt, 0) == 0
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, [4, 5, 6, 7, 8], 0, 600)
+    plan = p.take_plan()
+    keys = chunk_keys(prompt, LAYOUT, CHUNK)
+    assert plan.loads == [] and len(plan.saves) == 1
+    save = plan.saves[0]
+    assert save.parent is None and [c.keys for c in save.chunks] == [(keys[0],), (keys[1],)]
+    assert [c.block_ids for c in save.chunks] == [(4, 5), (6, 7)]
+    assert not p.take_plan()  # the next step starts empty
+    p.schedule_cached("r", [9], False, 600, 1)  # decoding: nothing more to save
+    assert not p.take_plan()
+
+
+def test_chunked_prefill_saves_each_chunk_when_it_is_complete() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    p = planner(store)
+    p.match("r", prompt, 0)
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, [1, 2], 0, 200)
+    assert not p.take_plan()
+    p.schedule_cached("r", [3], False, 200, 200)
+    (save,) = p.take_plan().saves
+    assert save.parent is None and [c.block_ids for c in save.chunks] == [(1, 2)]
+    p.schedule_cached("r", [4, 5], False, 400, 200)
+    (save,) = p.take_plan().saves
+    keys = chunk_keys(prompt, LAYOUT, CHUNK)
+    assert save.parent == (keys[0],) and [c.keys for c in save.chunks] == [(keys[1],)]
+    assert [c.block_ids for c in save.chunks] == [(3, 4)]
+
+
+def test_stored_chunks_are_loaded_not_saved() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    store.hold(prompt, 2, "disk")
+    p = planner(store)
+    assert p.match("r", prompt, 0) == 512
+    p.allocated("r", 512)
+    assert p.sources("r", 512) == {"disk": 512}
+    p.schedule_new("r", prompt, [1, 2, 3, 4, 5], 512, 88)
+    plan = p.take_plan()
+    assert plan.saves == []
+    (load,) = plan.loads
+    assert load.req_id == "r" and load.block_ids() == [1, 2, 3, 4]
+    assert [c.first_block for c in load.chunks] == [0, 0]
+
+
+def test_a_partly_stored_prompt_loads_the_stored_prefix_and_saves_the_rest() -> None:
+    store, prompt = FakeStore(), tokens(800)
+    store.hold(prompt, 1)
+    p = planner(store)
+    assert p.match("r", prompt, 0) == 256
+    p.allocated("r", 256)
+    p.schedule_new("r", prompt, list(range(10, 17)), 256, 544)
+    plan = p.take_plan()
+    assert plan.loads[0].block_ids() == [10, 11]
+    (save,) = plan.saves
+    keys = chunk_keys(prompt, LAYOUT, CHUNK)
+    assert save.parent == (keys[0],) and [c.keys[0] for c in save.chunks] == keys[1:3]
+
+
+def test_a_local_hit_inside_a_chunk_loads_the_rest_of_it() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    store.hold(prompt, 2, "memory")
+    p = planner(store)
+    assert p.match("r", prompt, 128) == 384
+    assert store.lookups[-1] == chunk_keys(prompt, LAYOUT, CHUNK)  # from chunk 0, which holds token 128
+    p.allocated("r", 384)
+    assert p.sources("r", 384) == {"memory": 384}
+    p.schedule_new("r", prompt, [1, 2, 3, 4, 5], 512, 88)
+    (load,) = p.take_plan().loads
+    assert [(c.first_block, c.block_ids) for c in load.chunks] == [(1, (2,)), (0, (3, 4))]
+
+
+def test_a_local_hit_of_whole_chunks_looks_up_only_the_chunks_after_it() -> None:
+    store, prompt = FakeStore(), tokens(800)
+    keys = chunk_keys(prompt, LAYOUT, CHUNK)
+    store.tiers[keys[1]] = "memory"  # chunk 0 evicted from the store, still in the engine
+    p = planner(store)
+    assert p.match("r", prompt, 256) == 256
+    assert store.lookups[-1] == keys[1:]
+    p.allocated("r", 256)
+    p.schedule_new("r", prompt, list(range(7)), 512, 288)
+    plan = p.take_plan()
+    assert plan.loads[0].block_ids() == [2, 3]
+    assert [c.keys[0] for c in plan.saves[0].chunks] == [keys[2]]  # chunk 0 (a local hit) is not saved
+
+
+def test_tiers_split_the_hit_by_tokens() -> None:
+    store, prompt = FakeStore(), tokens(900)
+    store.hold(prompt, 1, "memory")
+    store.tiers[chunk_keys(prompt, LAYOUT, CHUNK)[1]] = "disk"
+    store.tiers[chunk_keys(prompt, LAYOUT, CHUNK)[2]] = "redis"
+    p = planner(store)
+    assert p.match("r", prompt, 128) == 640
+    assert p.sources("r", 640) == {"memory": 128, "disk": 256, "redis": 256}
+    assert p.sources("r", 0) == {} and p.sources("other", 10) == {}
+
+
+def test_short_prompts_and_ineligible_requests_touch_nothing() -> None:
+    store = FakeStore()
+    p = planner(store)
+    assert p.match("short", tokens(200), 0) == 0
+    assert store.lookups == []
+    p.allocated("short", 0)
+    p.schedule_new("short", tokens(200), [1, 2], 0, 200)
+    assert not p.take_plan()
+    assert p.match("lora", None, 0) == 0  # multimodal, LoRA or a cache salt
+    p.schedule_new("lora", tokens(600), list(range(5)), 0, 600)
+    assert not p.take_plan()
+    for r in ("short", "lora"):
+        p.finished(r)
+    assert p.num_tracked == 0
+
+
+def test_load_and_save_switches() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    store.hold(prompt, 1)
+    no_load = planner(store, load=False)
+    assert no_load.match("r", prompt, 0) == 0 and store.lookups == []
+    no_load.allocated("r", 0)
+    no_load.schedule_new("r", prompt, list(range(5)), 0, 600)
+    assert len(no_load.take_plan().saves[0].chunks) == 2  # it does not know chunk 0 is stored
+    no_save = planner(store, save=False)
+    assert no_save.match("r", prompt, 0) == 256
+    no_save.allocated("r", 256)
+    no_save.schedule_new("r", prompt, list(range(5)), 256, 344)
+    plan = no_save.take_plan()
+    assert plan.saves == [] and len(plan.loads) == 1
+
+
+def test_a_disabled_planner_looks_nothing_up_and_plans_nothing() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    store.hold(prompt, 2)
+    p = planner(store)
+    p.disable("layout refused")
+    assert p.match("r", prompt, 0) == 0 and store.lookups == []
+    p.schedule_new("r", prompt, list(range(5)), 0, 600)
+    assert not p.take_plan() and p.num_tracked == 0
+
+
+def test_repeated_matches_while_waiting_reuse_the_keys() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    calls = []
+
+    def keys_for(token_ids: Sequence[int]) -> list[tuple[ChunkKey, ...]]:
+        calls.append(len(token_ids))
+        return keys_by_rank([LAYOUT], CHUNK)(token_ids)
+
+    p = ChunkPlanner(chunk_size=CHUNK, block_size=BLOCK, keys_for=keys_for, locate=store.locate)
+    for _ in range(3):
+        assert p.match("r", prompt, 0) == 0
+    assert calls == [600] and len(store.lookups) == 3  # the lookup is asked again: the store may change
+
+
+def test_a_resumed_request_loads_into_its_new_blocks() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    p = planner(store)
+    p.match("r", prompt, 0)
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, list(range(5)), 0, 600)
+    assert len(p.take_plan().saves) == 1
+    store.hold(prompt, 2)
+    # preempted, its blocks freed; asked again from scratch
+    assert p.match("r", prompt, 0) == 512
+    p.allocated("r", 512)
+    p.schedule_cached("r", [20, 21, 22, 23, 24], True, 512, 89)
+    plan = p.take_plan()
+    assert plan.loads[0].block_ids() == [20, 21, 22, 23] and plan.saves == []
+
+
+def test_a_load_vllm_cannot_align_is_reported_as_failed_blocks() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    store.hold(prompt, 2)
+    p = planner(store)
+    assert p.match("r", prompt, 0) == 512
+    p.allocated("r", 500)  # not block-aligned: cannot be filled with whole blocks
+    p.schedule_new("r", prompt, list(range(5)), 500, 100)
+    plan = p.take_plan()
+    assert plan.loads == [] and plan.failed_block_ids == [0, 1, 2, 3]
+
+
+def test_chunk_size_must_be_whole_blocks_for_the_planner() -> None:
+    with pytest.raises(ValueError, match="not a multiple of block size"):
+        ChunkPlanner(chunk_size=200, block_size=BLOCK, keys_for=lambda t: [], locate=lambda k: [])

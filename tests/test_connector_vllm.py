@@ -1,0 +1,584 @@
+"""The vLLM connector against real vLLM (CPU) and a real cache server.
+
+Engine A computes every prompt cold and saves its chunks; it is stopped, and engine B (same model, new
+process, empty local prefix cache) must load them instead of computing them, and answer exactly as A did.
+
+The model: the tiny model's shape with real random weights (``initializer_range`` 0.1). vLLM's dummy
+weights (uniform in +-1e-3) make the output ignore the context: with them, another prompt's KV gives the
+same tokens and the same logprobs, so an equal answer would prove nothing. ``test_wrong_kv_changes_the_
+answer`` checks that this model's answers do depend on the KV it is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zmq
+
+from conftest import _require_vllm
+from harness import REPO, EngineProcess, free_port, start_vllm, vllm_python
+from kvstack.cache.client import CacheClient
+from kvstack.cache.events import block_hash
+from kvstack.cache.keys import ChunkKey, chunk_keys
+from kvstack.connector import AttentionShape, kv_layout
+from kvstack.engines.kv_events import BlockStored, decode_batch, decode_seq, encode_seq
+
+pytestmark = pytest.mark.vllm
+
+MODEL_ID = "kvstack-test-tiny-weighted"  # kv_connector_extra_config.model_id: the keys' model name
+CHUNK = 256
+BLOCK = 128
+LAYOUT = kv_layout(
+    MODEL_ID, AttentionShape(2, 2, 64, "bfloat16", BLOCK), platform="cpu", tp_rank=0, tp_size=1
+)
+# bf16 logits: a prefill split at another point (loaded prefix + rest) rounds differently from a whole one.
+LOGPROB_TOLERANCE = 0.1
+
+
+def prompt(seed: int, n: int = 600) -> list[int]:
+    return [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(n)]
+
+
+MAIN, CORRUPT, DOWN, SWAPPED = prompt(1), prompt(2), prompt(3), prompt(4)
+SHORT = prompt(5, 200)
+CHAT = [
+    {"role": "system", "content": "You answer questions about the document."},
+    {
+        "role": "user",
+        "content": " ".join(f"Section {i} of the report says the value is {i * 7 % 13}." for i in range(70)),
+    },
+]
+
+
+@dataclass
+class CacheServerProcess:
+    endpoint: str
+    replay_endpoint: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def client(self) -> CacheClient:
+        return CacheClient(self.endpoint, shm=False, timeout_s=5.0)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the pid is the group id
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=5)
+
+
+def _require_connector_deps() -> None:
+    """vLLM imports the connector in its own environment: the cache client's dependencies must be there."""
+    _require_vllm()
+    probe = "import blake3, msgspec, xxhash, zmq"
+    run = subprocess.run([str(vllm_python()), "-c", probe], capture_output=True, text=True)
+    if run.returncode != 0:
+        pytest.fail(
+            f"the vLLM environment cannot import the connector's dependencies ({run.stderr.strip()[-200:]}); "
+            f"run `{vllm_python().parent / 'pip'} install --no-deps -e . xxhash`"
+        )
+
+
+@pytest.fixture(scope="module")
+def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
+    _require_connector_deps()
+    workdir = tmp_path_factory.mktemp("cache-server")
+    endpoint, events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+    log_path = workdir / "cache-server.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "kvstack.cache.cli",
+        "cache-server",
+        "--bind",
+        endpoint,
+        "--memory-gb",
+        "0.25",
+    ]
+    cmd += ["--chunk-size", str(CHUNK), "--events", events, "--events-replay", replay]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = CacheServerProcess(endpoint, replay, proc, log_path)
+    client = server.client()
+    try:
+        deadline = time.monotonic() + 30
+        while client.server_stats() is None:
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.2)
+    finally:
+        client.close()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with seeded random weights (written by transformers in the vLLM environment)."""
+    _require_vllm()
+    directory = tmp_path_factory.mktemp("weighted") / "model"
+    shutil.copytree(tiny_model_dir, directory)
+    script = textwrap.dedent(
+        """
+        import sys, torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained(sys.argv[1])
+        config.initializer_range = 0.1
+        torch.manual_seed(20261202)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
+        """
+    )
+    subprocess.run([str(vllm_python()), "-c", script, str(directory)], check=True, capture_output=True)
+    return directory
+
+
+def start_engine(model: Path, workdir: Path, server: str) -> EngineProcess:
+    """vLLM with the connector, imported from this checkout's src/."""
+    config = {
+        "kv_connector": "KVStackConnector",
+        "kv_connector_module_path": "kvstack.connector.vllm_v1",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"server": server, "model_id": MODEL_ID, "chunk_size": CHUNK},
+    }
+    return start_vllm(
+        model,
+        workdir,
+        extra_args=["--load-format", "safetensors"],  # real (random) weights, see the module docstring
+        kv_transfer_config=config,
+        env={"PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])},
+    )
+
+
+@dataclass(frozen=True)
+class Answer:
+    tokens: list[str]
+    top: list[dict[str, float]]
+    prompt_tokens: int
+
+
+def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        result: dict[str, Any] = json.load(r)
+        return result
+
+
+def complete(engine: EngineProcess, tokens: list[int]) -> Answer:
+    body = {
+        "model": engine.model,
+        "prompt": tokens,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": 5,
+        "return_tokens_as_token_ids": True,
+    }
+    reply = _post(f"{engine.url}/v1/completions", body)
+    logprobs = reply["choices"][0]["logprobs"]
+    return Answer(logprobs["tokens"], logprobs["top_logprobs"], reply["usage"]["prompt_tokens"])
+
+
+def chat(engine: EngineProcess) -> Answer:
+    body = {
+        "model": engine.model,
+        "messages": CHAT,
+        "max_tokens": 8,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        "return_tokens_as_token_ids": True,
+    }
+    reply = _post(f"{engine.url}/v1/chat/completions", body)
+    content = reply["choices"][0]["logprobs"]["content"]
+    top = [{t["token"]: t["logprob"] for t in c["top_logprobs"]} for c in content]
+    return Answer([c["token"] for c in content], top, reply["usage"]["prompt_tokens"])
+
+
+def reset_prefix_cache(engine: EngineProcess) -> None:
+    for _ in range(50):
+        try:
+            with urllib.request.urlopen(
+                urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST")
+            ):
+                return
+        except urllib.error.HTTPError:
+            time.sleep(0.1)  # refused while requests still hold blocks
+    raise AssertionError(f"{engine.url} did not reset its prefix cache")
+
+
+def metric(engine: EngineProcess, name: str, **labels: str) -> float:
+    """The sum of the samples of ``name`` (a counter's ``_total``) whose labels include ``labels``."""
+    with urllib.request.urlopen(f"{engine.url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        if all(f'{k}="{v}"' in line for k, v in labels.items()):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    assert found, f"{engine.url}/metrics has no {name} with {labels}"
+    return total
+
+
+def external_hits(engine: EngineProcess) -> float:
+    return metric(engine, "vllm:external_prefix_cache_hits_total")
+
+
+def assert_close(answer: Answer, cold: Answer) -> None:
+    """Same greedy tokens; top logprobs within bf16 rounding of a prefill split elsewhere."""
+    assert answer.tokens == cold.tokens
+    for got, want in zip(answer.top, cold.top, strict=True):
+        common = set(got) & set(want)
+        assert len(common) >= 4, (got, want)
+        assert all(abs(got[t] - want[t]) < LOGPROB_TOLERANCE for t in common), (got, want)
+
+
+def keys(tokens: list[int]) -> list[ChunkKey]:
+    return chunk_keys(tokens, LAYOUT, CHUNK)
+
+
+def stored_events(replay_endpoint: str) -> list[BlockStored]:
+    """Every ``BlockStored`` the cache server published, from its replay socket."""
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    try:
+        sock.connect(replay_endpoint)
+        sock.send_multipart([b"", encode_seq(0)])
+        events: list[BlockStored] = []
+        while True:
+            _, _topic, seq, payload = sock.recv_multipart()
+            if decode_seq(seq) < 0:
+                return events
+            events += [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+    finally:
+        sock.close()
+        ctx.term()
+
+
+@pytest.fixture(scope="module")
+def cold(
+    model_dir: Path, cache_server: CacheServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, Any]:
+    """Engine A, with an empty store: every prompt computed cold (and its chunks saved); then stopped, so
+    that at most two vLLM processes run (with the session's ``vllm_engine``)."""
+    engine = start_engine(model_dir, tmp_path_factory.mktemp("vllm-a"), cache_server.endpoint)
+    try:
+        answers: dict[str, Any] = {
+            "main": complete(engine, MAIN),
+            "main-warm": complete(engine, MAIN),  # a local prefix hit: the same split as a load
+            "corrupt": complete(engine, CORRUPT),
+            "down": complete(engine, DOWN),
+            "swapped": complete(engine, SWAPPED),
+            "short": complete(engine, SHORT),
+            "chat": chat(engine),
+            "external_hits": external_hits(engine),
+            "log": engine.log_path,
+        }
+    finally:
+        engine.stop()
+    return answers
+
+
+@pytest.fixture(scope="module")
+def engine_b(
+    model_dir: Path,
+    cache_server: CacheServerProcess,
+    cold: dict[str, Any],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[EngineProcess]:
+    engine = start_engine(model_dir, tmp_path_factory.mktemp("vllm-b"), cache_server.endpoint)
+    yield engine
+    engine.stop()
+
+
+MOVER_SCRIPT = textwrap.dedent(
+    """
+    import sys, torch
+    from kvstack.cache.client import CacheClient
+    from kvstack.cache.keys import KVLayout, chunk_keys
+    from kvstack.connector.plan import RequestLoad, RequestSave, plan_load, plan_save
+    from kvstack.connector.worker import BlockMover
+
+    layout = KVLayout("block-mover-test", 3, 2, 64, "bfloat16", "test")
+    tokens = list(range(1000, 1600))
+    keys = [(k,) for k in chunk_keys(tokens, layout, 256)]
+    for shm in (True, False):
+        torch.manual_seed(0)
+        layers = [torch.randn(16, 2, 128, 128).to(torch.bfloat16) for _ in range(3)]
+        client = CacheClient(sys.argv[1], shm=shm)
+        client.evict([k[0] for k in keys])
+        mover = BlockMover(layers, blocks_per_chunk=2, rank=0, client=client)
+        assert mover.chunk_bytes == 3 * 2 * 2 * 128 * 128 * 2
+        saves = plan_save(keys, tokens, 0, 2, chunk_size=256, block_size=128, block_ids=[3, 4, 5, 6])
+        assert mover.save(RequestSave("r", None, saves))
+        expected = [t[[4, 5, 6]].clone() for t in layers]  # tokens [128, 512)
+        for t in layers:
+            t.zero_()
+        loads = plan_load(keys, 128, 512, chunk_size=256, block_size=128, block_ids=[9, 10, 11, 12])
+        assert mover.load(RequestLoad("r", loads)) == (2, []), "a full load"
+        for t, e in zip(layers, expected):
+            assert torch.equal(t[[10, 11, 12]], e), "the blocks, bit for bit"
+            assert not t[9].any() and not t[13:].any(), "no other block touched"
+        client.evict([keys[1][0]])
+        assert mover.load(RequestLoad("r", loads)) == (1, [11, 12]), "a missing chunk"
+        assert client.put([keys[1][0]], [b"x" * 100])
+        assert mover.load(RequestLoad("r", loads)) == (1, [11, 12]), "a chunk of the wrong size"
+        assert client.exists([keys[1][0]]) == [False], "is evicted"
+        assert client.stats.shm_bytes > 0 if shm else client.stats.shm_bytes == 0
+        client.close()
+    print("OK")
+    """
+)
+
+
+ADAPTER_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from types import SimpleNamespace
+    import torch
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
+    from kvstack.cache.client import CacheClient
+    from kvstack.cache.keys import chunk_keys
+    from kvstack.connector import AttentionShape, kv_layout
+    from kvstack.connector.plan import ChunkLoad, RequestLoad, StepPlan
+    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackConnectorMetadata
+
+    LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    def connector(role, spec=FULL, server=sys.argv[1], **extra):
+        transfer = KVTransferConfig(
+            kv_connector="KVStackConnector",
+            kv_connector_module_path="kvstack.connector.vllm_v1",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"server": server, "model_id": "adapter", "timeout_s": 0.5, **extra},
+        )
+        vllm_config = SimpleNamespace(
+            kv_transfer_config=transfer,
+            cache_config=SimpleNamespace(block_size=128),
+            model_config=SimpleNamespace(model="/models/x"),
+            parallel_config=SimpleNamespace(
+                tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1
+            ),
+        )
+        kv_cache_config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
+        return KVStackConnector(vllm_config, role, kv_cache_config)
+
+    tokens = list(range(100, 700))
+    request = SimpleNamespace(
+        request_id="r", prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None
+    )
+    shape = AttentionShape(2, 2, 64, "bfloat16", 128)
+    layout = kv_layout("adapter", shape, platform="cpu", tp_rank=0, tp_size=1)
+    with CacheClient(sys.argv[1]) as client:
+        assert client.put(chunk_keys(tokens, layout, 256), [b"x" * 10, b"y" * 10])
+
+    # A layout the worker cannot move: its loads fail (vLLM recomputes), and it tells the scheduler half,
+    # which stops offering hits.
+    scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, False)
+    worker.register_kv_caches({name: torch.zeros(2, 8, 128, 2, 64, dtype=torch.bfloat16) for name in LAYERS})
+    load = RequestLoad("r", (ChunkLoad((b"k" * 32,), 0, (3, 4)),))
+    worker.bind_connector_metadata(KVStackConnectorMetadata(StepPlan(loads=[load])))
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    assert worker.get_block_ids_with_load_errors() == {3, 4}
+    assert worker.get_block_ids_with_load_errors() == set()
+    report = worker.build_connector_worker_meta()
+    assert "[2,blocks,block,kv_heads,head]" in report.disabled, report
+    assert worker.build_connector_worker_meta() is None  # said once
+    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+
+    # A model it cannot handle: off from the start.
+    sliding = SlidingWindowSpec(
+        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+    )
+    off = connector(KVConnectorRole.SCHEDULER, spec=sliding)
+    assert off.get_num_new_matched_tokens(request, 0) == (0, False)
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=cached)
+    assert not off.build_connector_meta(step).plan
+
+    # No server: misses, one timeout and then none while it is considered down.
+    down = connector(KVConnectorRole.SCHEDULER, server="tcp://127.0.0.1:9")
+    started = time.monotonic()
+    assert [down.get_num_new_matched_tokens(request, 0) for _ in range(20)] == [(0, False)] * 20
+    assert time.monotonic() - started < 5
+
+    # A configuration that cannot work: an error at start-up that says what to set.
+    try:
+        connector(KVConnectorRole.SCHEDULER, chunk_size=200)
+    except ValueError as e:
+        assert "multiple of vLLM's block size 128" in str(e), e
+    else:
+        raise AssertionError("chunk_size 200 accepted")
+    print("OK")
+    """
+)
+
+
+def test_block_mover_round_trips_blocks_bit_for_bit(cache_server: CacheServerProcess) -> None:
+    """The worker's copies with torch (in the vLLM environment), through shared memory and the socket."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run(
+        [str(vllm_python()), "-c", MOVER_SCRIPT, cache_server.endpoint],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+def test_connector_faults_never_reach_vllm(cache_server: CacheServerProcess) -> None:
+    """The adapter built by hand (no engine): a refused layout, an unsupported model, no server, a bad
+    setting."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run(
+        [str(vllm_python()), "-c", ADAPTER_SCRIPT, cache_server.endpoint],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+def test_engine_a_saves_full_prompt_chunks_under_keys_anyone_can_compute(
+    cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    assert cold["external_hits"] == 0  # A started with an empty store
+    assert cold["main-warm"].tokens == cold["main"].tokens
+    client = cache_server.client()
+    try:
+        # This process computes the keys engine A used: same model id and layout, another process.
+        for tokens in (MAIN, CORRUPT, DOWN, SWAPPED):
+            assert client.lookup(keys(tokens)) == 2
+        assert keys(SHORT) == []  # shorter than a chunk: nothing to save
+    finally:
+        client.close()
+    # The server announces A's chunks with their tokens, for the router's prefix index.
+    chunks = {h: e for e in stored_events(cache_server.replay_endpoint) for h in e.block_hashes}
+    main = keys(MAIN)
+    first, second = chunks[block_hash(main[0])], chunks[block_hash(main[1])]
+    assert (first.parent_block_hash, first.block_size, first.medium) == (None, CHUNK, "CPU")
+    if first is second:  # one event for both chunks, as vLLM batches a request's blocks
+        assert first.token_ids == MAIN[: 2 * CHUNK]
+    else:
+        assert (first.token_ids, second.token_ids) == (MAIN[:CHUNK], MAIN[CHUNK : 2 * CHUNK])
+        assert second.parent_block_hash == block_hash(main[0])
+    log = cold["log"].read_text(errors="replace")
+    assert "kvstack connector: 2 KV cache layers, each (64, 2, 128, 128) torch.bfloat16" in log
+    assert "kvstack connector: layout [blocks,kv_heads,block,2*head]" in log
+
+
+def test_engine_b_loads_the_prompt_instead_of_computing_it(
+    engine_b: EngineProcess, cold: dict[str, Any]
+) -> None:
+    before = {
+        "hits": external_hits(engine_b),
+        "external": metric(engine_b, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer"),
+        "host": metric(engine_b, "vllm:prompt_tokens_cached_by_source_total", source="host"),
+    }
+    answer = complete(engine_b, MAIN)
+    # 600 tokens: two stored chunks, 512 tokens; vLLM computes the remaining 88.
+    assert external_hits(engine_b) - before["hits"] == 512
+    assert metric(engine_b, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == (
+        before["external"] + 512
+    )
+    assert (
+        metric(engine_b, "vllm:prompt_tokens_cached_by_source_total", source="host") == before["host"] + 512
+    )
+    assert_close(answer, cold["main"])
+    assert answer == cold["main-warm"]  # the same split as A's local prefix hit: identical to the last bit
+
+
+def test_a_chat_prompt_is_loaded_too(engine_b: EngineProcess, cold: dict[str, Any]) -> None:
+    before = external_hits(engine_b)
+    answer = chat(engine_b)
+    assert answer.prompt_tokens >= 2 * CHUNK
+    loaded = external_hits(engine_b) - before
+    assert loaded == min(answer.prompt_tokens // CHUNK * CHUNK, (answer.prompt_tokens - 1) // BLOCK * BLOCK)
+    assert_close(answer, cold["chat"])
+
+
+def test_a_prompt_shorter_than_a_chunk_loads_nothing(engine_b: EngineProcess, cold: dict[str, Any]) -> None:
+    before = external_hits(engine_b)
+    assert complete(engine_b, SHORT) == cold["short"]
+    assert external_hits(engine_b) == before
+
+
+def test_a_corrupt_chunk_is_recomputed(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    client = cache_server.client()
+    try:
+        k = keys(CORRUPT)
+        assert client.evict(k[1:]) == 1 and client.put(k[1:], [b"not a chunk"], parent=k[0])
+    finally:
+        client.close()
+    answer = complete(engine_b, CORRUPT)
+    assert_close(answer, cold["corrupt"])
+    assert "loaded 1 of 2 chunks; 2 blocks to recompute" in engine_b.log_path.read_text(errors="replace")
+    client = cache_server.client()
+    try:
+        assert client.lookup(keys(CORRUPT)) == 1  # the engine evicted the chunk that cannot load
+    finally:
+        client.close()
+
+
+def test_wrong_kv_changes_the_answer(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    """The control for the tests above: another prompt's chunks under this prompt's keys (the right size)
+    change the answer, so equal answers do show that the right KV arrived."""
+    client = cache_server.client()
+    try:
+        with client.get(keys(MAIN)) as other:
+            payloads = [bytes(p) for p in other]
+        assert len(payloads) == 2
+        assert client.evict(keys(SWAPPED)) == 2 and client.put(keys(SWAPPED), payloads)
+    finally:
+        client.close()
+    before = external_hits(engine_b)
+    answer = complete(engine_b, SWAPPED)
+    assert external_hits(engine_b) - before == 512
+    assert answer.tokens != cold["swapped"].tokens
+
+
+def test_without_the_cache_server_the_engine_still_answers(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    """Runs last in this module: it stops the module's cache server."""
+    cache_server.stop()
+    before = external_hits(engine_b)
+    reset_prefix_cache(engine_b)
+    started = time.monotonic()
+    answer = complete(engine_b, DOWN)
+    assert time.monotonic() - started < 30
+    assert answer == cold["down"]  # computed cold, as A did
+    assert external_hits(engine_b) == before
+    assert complete(engine_b, MAIN) == cold["main"]  # computed cold again
