@@ -26,6 +26,7 @@ KV data, practically impossible.
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 import sys
@@ -92,8 +93,10 @@ class ChunkKey(bytes):
         return f"ChunkKey({self.hex()[:16]}…)"
 
 
-def _packed(token_ids: Sequence[int]) -> memoryview:
-    """Token ids as little-endian uint32 bytes."""
+def _packed(token_ids: Sequence[int] | array[int]) -> memoryview:
+    """Token ids as little-endian uint32 bytes (an ``array('I')`` on a little-endian host is used as is)."""
+    if isinstance(token_ids, array) and token_ids.typecode == "I" and sys.byteorder == "little":
+        return memoryview(token_ids).cast("B")
     packed = array("I")
     if packed.itemsize != 4:  # the key scheme hashes uint32 token ids
         raise RuntimeError("array('I') is not 4 bytes on this platform; chunk keys need uint32 packing")
@@ -106,7 +109,9 @@ def _packed(token_ids: Sequence[int]) -> memoryview:
     return memoryview(packed).cast("B")
 
 
+@functools.lru_cache(maxsize=64)
 def _derived_keys(layout: KVLayout, chunk_size: int) -> tuple[bytes, bytes]:
+    # Cached: a layout's namespace is JSON-encoded and hashed twice, ~40 µs, the same for every prompt.
     material = layout.namespace() + _U32.pack(chunk_size)
     full = blake3(material, derive_key_context=_FULL_CONTEXT).digest()
     tail = blake3(material, derive_key_context=_TAIL_CONTEXT).digest()
@@ -114,7 +119,7 @@ def _derived_keys(layout: KVLayout, chunk_size: int) -> tuple[bytes, bytes]:
 
 
 def chunk_keys(
-    token_ids: Sequence[int],
+    token_ids: Sequence[int] | array[int],
     layout: KVLayout,
     chunk_size: int = 256,
     include_partial: bool = False,
@@ -133,10 +138,11 @@ def chunk_keys(
     full_end = len(data) - len(data) % stride
     key: bytes = _ROOT_PARENT if parent is None else parent
     keys: list[ChunkKey] = []
+    new_key = bytes.__new__  # a digest is always 32 bytes: skip ChunkKey's length check in the loop
     for off in range(0, full_end, stride):
         hasher = blake3(key, key=k_full)
         hasher.update(data[off : off + stride])
-        key = ChunkKey(hasher.digest())
+        key = new_key(ChunkKey, hasher.digest())
         keys.append(key)
     if include_partial and full_end < len(data):
         tail = data[full_end:]

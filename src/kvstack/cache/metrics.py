@@ -28,6 +28,7 @@ Counted by the server:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -143,6 +144,16 @@ class CacheMetrics:
         self.payload_bytes = Counter(
             "kvstack_cache_payload_bytes", "Payload bytes moved", ["op", "path"], registry=r
         )
+        # labels() validates and locks on every call; the request path reuses children (bounded label sets).
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, cached."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -254,7 +254,7 @@ class CacheServer:
             op, request_id = str(request.__struct_config__.tag), request.id
             self._authenticate(rest[0].buffer, rest[1].buffer, request.id)
             reply, payloads = await self._dispatch(request, rest[2:])
-            self.metrics.requests.labels(op, "ok").inc()
+            self.metrics.child(self.metrics.requests, op, "ok").inc()
         except ProtocolError as e:
             reply = ErrorReply(id=e.request_id, code=e.code, message=e.message)
             self.metrics.protocol_errors.labels(e.code).inc()
@@ -264,7 +264,7 @@ class CacheServer:
             self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
             self.metrics.requests.labels(op, "error").inc()
             log.exception("cache server: %s request failed", op)
-        self.metrics.operation_seconds.labels(op).observe(time.perf_counter() - started)
+        self.metrics.child(self.metrics.operation_seconds, op).observe(time.perf_counter() - started)
         if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
             self._errors_log.warning("cache server: error reply %s: %s", reply.code, reply.message)
         try:
@@ -297,8 +297,8 @@ class CacheServer:
             case Lookup():
                 keys = self._keys(request.keys, rid)
                 count, tiers = await self.store.lookup(keys)
-                self.metrics.lookup_chunks.labels("hit").inc(count)
-                self.metrics.lookup_chunks.labels("miss").inc(len(keys) - count)
+                self.metrics.child(self.metrics.lookup_chunks, "hit").inc(count)
+                self.metrics.child(self.metrics.lookup_chunks, "miss").inc(len(keys) - count)
                 return LookupReply(id=rid, count=count, tiers=tiers), []
             case Exists():
                 present = await self.store.exists(self._keys(request.keys, rid))
