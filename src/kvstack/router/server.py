@@ -134,7 +134,8 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         else None
     )
     # Until an engine's events are found, prefix routing knows it only from its own history.
-    registry.default_knowledge = "approximate" if picker.needs_prefix else "none"
+    # (In "auto" routing, the fallback preset uses no prefix knowledge at all.)
+    registry.default_knowledge = "approximate" if scheduler.needs_prefix else "none"
     proxy = Proxy(session, registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
     max_in_flight, max_queue = opts.max_in_flight, opts.max_queue
     if opts.group is not None:  # router-wide limits, shared out between the workers
