@@ -309,6 +309,28 @@ async def test_malformed_messages_are_counted_and_skipped(ctx: zmq.asyncio.Conte
         assert sink.resets == []
 
 
+async def test_a_batch_the_sink_rejects_resets_and_the_stream_goes_on(ctx: zmq.asyncio.Context) -> None:
+    from kvstack.router.prefix import PrefixLocator
+
+    pub = ScriptedPublisher(ctx, replay=False)
+    locator = PrefixLocator()
+    observer = CountingObserver()
+    sub = KVEventSubscriber("http://engine", locator, context=ctx, sources=[pub.source], observer=observer)
+    sub.start()
+    try:
+        await pub.subscribed()
+        bad = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[-1, 5], block_size=2)
+        await pub.send(0, EventBatch(ts=0.0, events=[bad]))  # a negative token id cannot be keyed
+        await pub.send(1, _batch(1))
+        async with asyncio.timeout(TIMEOUT):
+            while locator.index.stats().entries < 1:  # noqa: ASYNC110 - polls the index the subscriber fills
+                await asyncio.sleep(0.01)
+        assert observer.decode_errors == 1
+    finally:
+        await sub.stop()
+        await pub.close()
+
+
 async def test_all_blocks_cleared_reaches_the_sink(ctx: zmq.asyncio.Context) -> None:
     pub = ScriptedPublisher(ctx)
     async with subscribed(ctx, pub) as (_, sink, _obs):

@@ -464,7 +464,16 @@ class KVEventSubscriber:
         tracker.applied = seq
         self.batches += 1
         self.observer.kv_batch(self.engine, batch)
-        self.sink.apply(self.engine, batch)
+        try:
+            self.sink.apply(self.engine, batch)
+        except (
+            Exception
+        ) as exc:  # a batch the sink cannot take (e.g. token ids out of range) must not kill us
+            self.observer.kv_decode_error(self.engine)
+            log.warning(
+                "engine %s: KV event batch %d rejected (%r); dropping its entries", self.engine, seq, exc
+            )
+            self._reset("rejected")
 
     def _reset(self, reason: str) -> None:
         self.observer.kv_reset(self.engine, reason)
