@@ -159,7 +159,7 @@ def test_memory_budget_never_exceeded_and_memory_flat_over_a_long_random_workloa
 
 def chunk_path(root: Path, k: ChunkKey) -> Path:
     text = k.hex()
-    return root / text[:2] / text[2:4] / f"{text}.kv"
+    return root / text[:2] / f"{text}.kv"
 
 
 def files(root: Path, pattern: str) -> list[Path]:
@@ -196,6 +196,58 @@ async def test_disk_round_trip_layout_and_stats(disk: DiskTier) -> None:
     assert stats.bytes == 3 * (HEADER_BYTES + 100)
     await disk.clear()
     assert disk.stats().entries == 0 and not files(disk.root, "*.kv")
+
+
+async def test_disk_start_creates_all_256_shards_and_writes_never_mkdir(disk: DiskTier) -> None:
+    shards = sorted(p.name for p in disk.root.iterdir())
+    assert shards == [f"{n:02x}" for n in range(256)]
+    assert await disk.put_many([(key(i), payload(i, 100)) for i in range(50)]) == 50
+    assert sorted(p.name for p in disk.root.iterdir()) == shards  # nothing new, not even nested
+    assert all(p.parent.parent == disk.root for p in files(disk.root, "*.kv"))
+
+
+async def test_disk_returned_views_outlive_delete_rewrite_and_eviction(tmp_path: Path) -> None:
+    file_bytes = HEADER_BYTES + 3000
+    tier = DiskTier(tmp_path, 2 * file_bytes)
+    await tier.start()
+    await tier.put(key(1), payload(1, 3000))
+    first = await tier.get(key(1))
+    assert isinstance(first, memoryview) and first.readonly
+    await tier.delete(key(1))
+    await tier.put(key(1), payload(9, 3000))  # same key, new content, new file
+    second = await tier.get(key(1))
+    await tier.put_many([(key(2), payload(2, 3000)), (key(3), payload(3, 3000))])  # evicts key 1
+    assert not chunk_path(tmp_path, key(1)).exists()
+    assert bytes(first) == payload(1, 3000) and bytes(second or b"") == payload(9, 3000)
+    await tier.close()
+
+
+async def test_disk_batches_use_at_most_io_threads_jobs(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20, io_threads=3)
+    await tier.start()
+    assert tier._pool is not None
+    submit, jobs = tier._pool.submit, 0
+
+    def counting_submit(*args: object, **kwargs: object) -> object:
+        nonlocal jobs
+        jobs += 1
+        return submit(*args, **kwargs)  # type: ignore[arg-type]
+
+    tier._pool.submit = counting_submit  # type: ignore[method-assign, assignment]
+    assert await tier.put_many([(key(i), payload(i, 200)) for i in range(10)]) == 10
+    assert jobs == 3
+    got = await tier.get_many([key(i) for i in (9, 20, 0, 5, 9)])
+    assert jobs == 6
+    assert [None if g is None else bytes(g) for g in got] == [
+        payload(9, 200),
+        None,
+        payload(0, 200),
+        payload(5, 200),
+        payload(9, 200),
+    ]
+    assert await tier.get_many([key(20)]) == [None] and jobs == 6  # nothing indexed: no job
+    assert await tier.put_many([(key(30), payload(30, 200))]) == 1 and jobs == 7
+    await tier.close()
 
 
 @pytest.mark.parametrize("fsync", ["never", "data", "always"])

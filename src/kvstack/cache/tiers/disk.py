@@ -1,8 +1,9 @@
 """The local disk tier: one file per chunk under a byte budget, LRU, verified on every read.
 
-Layout: ``root/ab/cd/<64 hex digits>.kv`` where ``ab``/``cd`` are the first two bytes of the key (at most
-65,536 leaf directories, so no directory grows huge). A file is one `record` (64-byte header with magic,
-version, length, key and xxh3_128 of the payload, then the payload).
+Layout: ``root/ab/<64 hex digits>.kv`` where ``ab`` is the first byte of the key: 256 shard directories, all
+created by ``start`` so a write never creates a directory (ext4's hashed directories hold hundreds of
+thousands of entries each). A file is one `record` (64-byte header with magic, version, length, key and
+xxh3_128 of the payload, then the payload).
 
 Writes go to ``.<hex>.<pid>.<n>.tmp`` in the same directory, then ``os.replace`` onto the final name, so a
 reader (or a restart after ``kill -9``) sees either the old file, the complete new one, or none. ``fsync``:
@@ -13,9 +14,14 @@ reader (or a restart after ``kill -9``) sees either the old file, the complete n
   directory entry may not: the chunk is then just missing).
 - ``always``: ``data`` plus an fsync of the directory after the rename, so the entry survives too.
 
-Reads check the header, the length against the file size and the checksum; a corrupt or truncated file is
-deleted, counted in ``corrupt`` and read as a miss. A hit also bumps the file's mtime, which is the LRU order
-a restart recovers.
+Reads map the file read-only (``MAP_POPULATE``: one fault-in of the whole file) and check the header, the
+length against the file size and the checksum on the mapping; a hit returns a read-only view of the mapped
+payload, with no copy and no zeroed buffer. The view keeps its mapping alive, and the tier never changes a
+file in place (it replaces by rename and deletes by unlink), so a view already returned keeps the verified
+bytes even if the chunk is later evicted, deleted or rewritten: the mapping holds the old inode. Something
+else truncating a chunk file in place while a view is held would make reading that view fault (SIGBUS). A
+corrupt or truncated file is deleted, counted in ``corrupt`` and read as a miss. A hit also bumps the file's
+mtime, which is the LRU order a restart recovers.
 
 Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
 files whose name or header is invalid are deleted, the rest are indexed oldest mtime first; then the budget
@@ -23,7 +29,9 @@ is enforced. ``capacity_bytes`` bounds the sum of file sizes (header included), 
 eviction deletes least recently used files first.
 
 All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
-threads) in ``close``; the index itself is only touched on the event loop.
+threads) in ``close``; a ``get_many``/``put_many`` batch is split into at most ``io_threads`` jobs, since a
+job's hop through the pool costs more than a small file's I/O. The index itself is only touched on the event
+loop.
 """
 
 from __future__ import annotations
@@ -31,13 +39,15 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import mmap
 import os
 import re
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import suppress
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -52,6 +62,8 @@ log = logging.getLogger(__name__)
 FsyncPolicy = Literal["never", "data", "always"]
 _SUFFIX = ".kv"
 _NAME = re.compile(r"[0-9a-f]{64}\.kv")
+_SHARDS = [f"{n:02x}" for n in range(256)]
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # MAP_POPULATE: Linux only
 _T = TypeVar("_T")
 
 
@@ -74,6 +86,17 @@ class _Read:
 class _Write:
     file_bytes: int
     error: OSError | None = None
+
+
+@dataclass(slots=True)
+class _PendingWrite:
+    """A put accepted on the loop: its bytes are reserved and the index entries it evicted are gone."""
+
+    key: ChunkKey
+    payload: memoryview
+    file_bytes: int
+    replaced: bool
+    doomed: list[ChunkKey]
 
 
 class DiskTier(Tier):
@@ -140,16 +163,38 @@ class DiskTier(Tier):
         return n
 
     async def get(self, key: ChunkKey) -> Payload | None:
-        file = self._index.get(key)
-        if file is None:
+        return (await self.get_many([key]))[0]
+
+    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
+        files: dict[ChunkKey, _File] = {}
+        for key in keys:
+            file = self._index.get(key)
+            if file is not None:
+                self._index.move_to_end(key)
+                files[key] = file
+        parts = list(_slices(list(files), self._io_threads))
+        reads: dict[ChunkKey, _Read] = {}
+        for part, results in zip(
+            parts,
+            await asyncio.gather(*(self._run(partial(self._read_batch, part)) for part in parts)),
+            strict=True,
+        ):
+            reads.update(zip(part, results, strict=True))
+        out: list[Payload | None] = []
+        for key in keys:
+            read = reads.get(key)
+            if read is not None and read.data is not None:
+                self._stats.hits += 1
+                out.append(read.data)
+                continue
             self._stats.misses += 1
-            return None
-        self._index.move_to_end(key)
-        read = await self._run(lambda: self._read_file(key))
-        if read.data is not None:
-            self._stats.hits += 1
-            return read.data
-        self._stats.misses += 1
+            out.append(None)
+            if read is not None:
+                del reads[key]  # a key asked twice is reported once
+                self._drop_failed_read(key, files[key], read)
+        return out
+
+    def _drop_failed_read(self, key: ChunkKey, file: _File, read: _Read) -> None:
         if read.corrupt is not None:
             self._stats.corrupt += 1
             log.warning("disk tier %s: deleted corrupt chunk %s (%s)", self.name, key.hex(), read.corrupt)
@@ -160,48 +205,58 @@ class DiskTier(Tier):
             self._forget(key)
             if self.listener is not None:
                 self.listener.removed(self, (key,))
-        return None
-
-    async def get_many(self, keys: Sequence[ChunkKey]) -> list[Payload | None]:
-        return list(await asyncio.gather(*(self.get(key) for key in keys)))
 
     async def put(self, key: ChunkKey, data: Payload) -> bool:
+        return await self.put_many([(key, data)]) == 1
+
+    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
         if self._pool is None:
             raise RuntimeError(f"disk tier {self.name} is not started")
+        pending = [write for key, data in items if (write := self._accept(key, data)) is not None]
+
+        jobs = [
+            self._run(partial(self._write_batch, part), partial(self._settle_batch, part))
+            for part in _slices(pending, self._io_threads)
+        ]
+        return sum(result.error is None for results in await asyncio.gather(*jobs) for result in results)
+
+    def _accept(self, key: ChunkKey, data: Payload) -> _PendingWrite | None:
+        """Reserve room for one put (evicting from the index), or count it dropped and return None."""
         payload = byte_view(data)
         file_bytes = HEADER_BYTES + payload.nbytes
         if self._reserved + file_bytes > self.capacity_bytes:  # too big, or writes in flight hold the room
             self._stats.write_drops += 1
-            return False
+            return None
         replaced = key in self._index
         self._forget(key)  # replaced below; its bytes are free for the new file
         doomed = self._evict_for(file_bytes)
         self._reserved += file_bytes
         if doomed and self.listener is not None:
             self.listener.removed(self, doomed)
+        return _PendingWrite(key, payload, file_bytes, replaced, doomed)
 
-        def settle(result: _Write | None) -> None:  # on the loop, even if the caller was cancelled
-            self._reserved -= file_bytes
-            if result is None or result.error is not None:
-                self._stats.errors += 1
-                self._stats.write_drops += 1
-                error = "unexpected failure" if result is None else result.error
-                log.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), error)
-                if replaced and key not in self._index and self.listener is not None:
-                    self.listener.removed(self, (key,))
-                return
-            self._forget(key)  # a concurrent put of the same key may have finished first
-            self._index[key] = _File(file_bytes)
-            self._used += file_bytes
-            self._stats.writes += 1
-            if self.listener is not None:
-                self.listener.stored(self, (key,))
+    def _settle_batch(self, writes: Sequence[_PendingWrite], results: list[_Write] | None) -> None:
+        """Index (or count as dropped) each finished write; None: the whole job failed unexpectedly."""
+        for i, write in enumerate(writes):
+            self._settle(write, None if results is None else results[i])
 
-        result = await self._run(lambda: self._write_file(key, payload, doomed), settle)
-        return result.error is None
-
-    async def put_many(self, items: Sequence[tuple[ChunkKey, Payload]]) -> int:
-        return sum(await asyncio.gather(*(self.put(key, data) for key, data in items)))
+    def _settle(self, write: _PendingWrite, result: _Write | None) -> None:
+        key = write.key
+        self._reserved -= write.file_bytes
+        if result is None or result.error is not None:
+            self._stats.errors += 1
+            self._stats.write_drops += 1
+            error = "unexpected failure" if result is None else result.error
+            log.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), error)
+            if write.replaced and key not in self._index and self.listener is not None:
+                self.listener.removed(self, (key,))
+            return
+        self._forget(key)  # a concurrent put of the same key may have finished first
+        self._index[key] = _File(write.file_bytes)
+        self._used += write.file_bytes
+        self._stats.writes += 1
+        if self.listener is not None:
+            self.listener.stored(self, (key,))
 
     async def delete(self, key: ChunkKey) -> bool:
         if key not in self._index:
@@ -259,19 +314,28 @@ class DiskTier(Tier):
 
     def _path(self, key: ChunkKey) -> Path:
         text = key.hex()
-        return self.root / text[:2] / text[2:4] / (text + _SUFFIX)
+        return self.root / text[:2] / (text + _SUFFIX)
+
+    def _read_batch(self, keys: Sequence[ChunkKey]) -> list[_Read]:
+        return [self._read_file(key) for key in keys]
+
+    def _write_batch(self, writes: Sequence[_PendingWrite]) -> list[_Write]:
+        return [self._write_file(write) for write in writes]
 
     def _read_file(self, key: ChunkKey) -> _Read:
         path = self._path(key)
         try:
             with open(path, "rb", buffering=0) as f:
-                header, length, file_bytes = _read_header(f.fileno(), key)
-                payload = memoryview(bytearray(length))
-                got = _read_into(f.fileno(), payload)
-                verify_record(key, header, payload[:got])
+                file_bytes = os.fstat(f.fileno()).st_size
+                if file_bytes < HEADER_BYTES:
+                    raise CorruptRecord(
+                        f"file of {file_bytes} bytes is shorter than its {HEADER_BYTES}-byte header"
+                    )
+                mapping = mmap.mmap(f.fileno(), file_bytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            data = _verified_payload(key, mapping)
             with suppress(OSError):  # recency is a hint; a read-only disk still serves
                 os.utime(path)
-            return _Read(data=payload.toreadonly(), file_bytes=file_bytes)
+            return _Read(data=data, file_bytes=file_bytes)
         except FileNotFoundError:
             return _Read()
         except CorruptRecord as e:
@@ -280,17 +344,16 @@ class DiskTier(Tier):
         except OSError as e:
             return _Read(error=e)
 
-    def _write_file(self, key: ChunkKey, payload: memoryview, doomed: list[ChunkKey]) -> _Write:
-        self._unlink_all(doomed)
-        path = self._path(key)
+    def _write_file(self, write: _PendingWrite) -> _Write:
+        self._unlink_all(write.doomed)
+        path = self._path(write.key)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
-        header = pack_header(key, payload)
+        header = pack_header(write.key, write.payload)
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 _write_all(fd, memoryview(header))
-                _write_all(fd, payload)
+                _write_all(fd, write.payload)
                 if self.fsync != "never":
                     os.fdatasync(fd)
             finally:
@@ -301,8 +364,8 @@ class DiskTier(Tier):
         except OSError as e:
             self._unlink(tmp)
             self._unlink(path)  # an older version is no longer indexed: do not leave it behind
-            return _Write(HEADER_BYTES + payload.nbytes, error=e)
-        return _Write(HEADER_BYTES + payload.nbytes)
+            return _Write(write.file_bytes, error=e)
+        return _Write(write.file_bytes)
 
     def _unlink_all(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
@@ -316,14 +379,14 @@ class DiskTier(Tier):
             log.warning("cannot delete %s: %s", path, e)
 
     def _shard_dirs(self) -> list[Path]:
-        shards: list[Path] = []
-        for top in _subdirs(self.root):
-            shards.extend(_subdirs(top))
-        return shards
+        return _subdirs(self.root)
 
     def _scan(self) -> list[tuple[ChunkKey, int]]:
-        """Every valid chunk file as (key, bytes), oldest mtime first; deletes temp and invalid files."""
+        """Creates the shard directories; returns every valid chunk file as (key, bytes), oldest mtime first;
+        deletes temp and invalid files."""
         self.root.mkdir(parents=True, exist_ok=True)
+        for name in _SHARDS:
+            (self.root / name).mkdir(exist_ok=True)
         found: list[tuple[int, ChunkKey, int]] = []
         for shard in self._shard_dirs():
             with os.scandir(shard) as it:
@@ -381,15 +444,27 @@ def _read_header(fd: int, key: ChunkKey) -> tuple[bytes, int, int]:
     return header, length, file_bytes
 
 
-def _read_into(fd: int, buf: memoryview) -> int:
-    """Fill ``buf`` from ``fd``; returns the bytes read (fewer only at end of file)."""
-    got = 0
-    while got < len(buf):
-        n = os.readv(fd, [buf[got:]])
-        if n == 0:
-            break
-        got += n
-    return got
+def _verified_payload(key: ChunkKey, mapping: mmap.mmap) -> memoryview:
+    """The payload of a mapped chunk file as a read-only view that keeps the mapping alive; raises
+    `CorruptRecord` (after unmapping) unless the whole record verifies."""
+    with memoryview(mapping) as record:
+        payload = record[HEADER_BYTES:]
+        try:
+            with record[:HEADER_BYTES] as header:
+                verify_record(key, header, payload)
+        except BaseException:
+            payload.release()
+            record.release()
+            mapping.close()
+            raise
+        return payload
+
+
+def _slices(items: Sequence[_T], n: int) -> Iterator[Sequence[_T]]:
+    """``items`` cut into at most ``n`` contiguous, non-empty slices of near-equal length."""
+    n = min(n, len(items))
+    for i in range(n):
+        yield items[len(items) * i // n : len(items) * (i + 1) // n]
 
 
 def _write_all(fd: int, data: memoryview) -> None:
