@@ -148,6 +148,76 @@ def test_sync_get_views_point_into_the_arena_and_space_is_reused(server: CacheSe
         second.release()
 
 
+def test_reserve_fill_put_is_one_copy_and_space_is_reused(server: CacheServer) -> None:
+    with CacheClient(server.endpoint or "", arena_bytes=1 << 20) as client:
+        arena = client._core.arena
+        for round_ in range(20):  # 400 KB reserved per round in a 1 MiB arena: only works if space is reused
+            keys = [key(round_ * 10 + i, b"reserve") for i in range(4)]
+            data = [payload(round_ * 10 + i, 100_000) for i in range(4)]
+            regions = client.reserve([len(d) for d in data])
+            assert regions is not None and len(regions) == 4
+            arena = client._core.arena
+            assert arena is not None and arena.allocator.used_bytes >= 400_000
+            for view, d in zip(regions, data, strict=True):
+                assert not view.readonly and len(view) == len(d)
+                view[:] = d  # produced in place, as the connector's device-to-host copy would
+            shm_before = client.stats.shm_bytes
+            alloc = arena.allocator.alloc
+            arena.allocator.alloc = None  # type: ignore[assignment,method-assign]  # a copy would allocate
+            assert client.put(keys, list(regions))
+            arena.allocator.alloc = alloc  # type: ignore[method-assign]
+            assert client.stats.shm_bytes - shm_before == 400_000
+            assert arena.allocator.used_bytes == 0  # the put freed what it sent
+            with client.get(keys) as chunks:  # type: ignore[union-attr]
+                assert [bytes(c) for c in chunks] == data
+        assert arena is not None and client._core.arena is arena  # never retired: no copy path was needed
+
+        # Explicit release: nothing put, everything back.
+        regions = client.reserve([1000, 2000])
+        assert regions is not None and arena.allocator.used_bytes > 0
+        regions.release()
+        assert arena.allocator.used_bytes == 0 and not client._core._reserved
+
+        # A slice of a reserved view (or any other buffer) is copied like an ordinary payload.
+        regions = client.reserve([1000])
+        assert regions is not None
+        regions[0][:] = b"x" * 1000
+        assert client.put([key(900, b"reserve")], [regions[0][:500]])
+        with client.get([key(900, b"reserve")]) as chunks:  # type: ignore[union-attr]
+            assert bytes(chunks[0]) == b"x" * 500
+        assert arena.allocator.used_bytes > 0  # the reservation itself was not sent: still held
+        regions.release()
+        assert arena.allocator.used_bytes == 0
+
+        # More than the arena holds: None, nothing left taken.
+        assert client.reserve([600_000, 600_000]) is None and arena.allocator.used_bytes == 0
+        assert client.stats.failures == {}
+
+
+def test_reserve_without_shared_memory_is_none_and_put_still_works(server: CacheServer) -> None:
+    with CacheClient(server.endpoint or "", shm=False) as client:
+        assert client.reserve([1000]) is None
+        assert client.put([key(1, b"noshm")], [payload(1)])
+    with CacheClient(server.endpoint or "", arena_bytes=1 << 20) as client:
+        assert client.reserve([0]) is None and client.stats.failures == {"bug": 1}  # a miss, not a raise
+
+
+def test_reserved_views_survive_a_fallback_to_the_socket() -> None:
+    with ThreadServer() as srv, CacheClient(srv.endpoint or "", arena_bytes=1 << 20) as client:
+        regions = client.reserve([50_000])
+        assert regions is not None and client.shm_active
+        regions[0][:] = payload(7, 50_000)
+        arena = client._core.arena
+        assert arena is not None
+        os.unlink(arena.path)  # the server cannot read the offset any more: error "arena", then the socket
+        srv.arenas.sweep()
+        assert client.put([key(7, b"fallback")], list(regions))
+        assert not client.shm_active and client.stats.failures == {"error:arena": 1}
+        with client.get([key(7, b"fallback")]) as chunks:  # type: ignore[union-attr]
+            assert bytes(chunks[0]) == payload(7, 50_000)
+        assert arena.allocator.used_bytes == 0
+
+
 def test_shm_fallback_when_the_server_cannot_open_the_arena(server: CacheServer, tmp_path: Path) -> None:
     # The arena lives where the server does not look: as if the client were on another host.
     with CacheClient(server.endpoint or "", shm_dir=str(tmp_path)) as client:
@@ -315,6 +385,22 @@ async def test_async_concurrent_round_trips(async_server: CacheServer, shm: bool
         assert client.stats.failures == {} and client.shm_active is shm
         if shm:
             assert client._core.arena is not None and client._core.arena.allocator.used_bytes == 0
+
+
+async def test_async_reserve_fill_put(async_server: CacheServer) -> None:
+    async with AsyncCacheClient(async_server.endpoint or "", arena_bytes=1 << 20) as client:
+        keys = [key(i, b"async-reserve") for i in range(3)]
+        data = [payload(i, 30_000) for i in range(3)]
+        regions = await client.reserve([len(d) for d in data])
+        assert regions is not None
+        for view, d in zip(regions, data, strict=True):
+            view[:] = d
+        assert await client.put(keys, list(regions))
+        assert client._core.arena is not None and client._core.arena.allocator.used_bytes == 0
+        chunks = await client.get(keys)
+        assert chunks is not None and [bytes(c) for c in chunks] == data
+        chunks.release()
+        assert client.stats.failures == {}
 
 
 async def test_async_dead_server_and_timeouts() -> None:

@@ -160,6 +160,27 @@ async def test_pipelined_multi_set_and_one_mget(tier: RedisTier, raw: aioredis.R
     assert await tier.contains(keys) == 5
 
 
+async def test_put_many_error_replies_are_counted_and_the_connection_stays_in_step(
+    tier: RedisTier, raw: aioredis.Redis
+) -> None:
+    # Every SET refused by the server (out of memory, noeviction): each error reply is read, none raised.
+    limits = await raw.config_get("maxmemory*")
+    await raw.config_set("maxmemory-policy", "noeviction")
+    await raw.config_set("maxmemory", 1)
+    try:
+        assert await tier.put_many([(key(i), payload(i)) for i in range(3)]) == 0
+    finally:
+        await raw.config_set("maxmemory", limits["maxmemory"])
+        await raw.config_set("maxmemory-policy", limits["maxmemory-policy"])
+    stats = tier.stats()
+    assert stats.errors == 3 and stats.write_drops == 3 and tier.up
+    # The next batch on the same pooled connection gets its own replies, not leftovers.
+    items = [(key(i), memoryview(payload(i, 70_000))) for i in range(4)]
+    assert await tier.put_many(items) == 4
+    got = await tier.get_many([key(i) for i in range(4)])
+    assert [bytes(g or b"") for g in got] == [bytes(data) for _, data in items]
+
+
 async def test_ttl_expires_chunks(redis_server: RedisServer, raw: aioredis.Redis) -> None:
     short = RedisTier(redis_server.url, prefix="ttl:", ttl_s=0.3)
     forever = RedisTier(redis_server.url, prefix="ttl-none:", ttl_s=None)

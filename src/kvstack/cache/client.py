@@ -29,6 +29,12 @@ raise.
   it, payloads travel through it (see ``kvstack.cache.shm``), else through the socket. An ``arena`` error
   from the server switches to the socket until the next connect. A request that lent arena space and timed
   out retires the arena (a new one is made at the next connect).
+- One-copy put: ``reserve(sizes)`` hands out `Reservation`, writable views of arena regions (None when
+  shared memory is off or the arena is full); write each chunk into its view and pass the views themselves
+  (the same objects) as ``put`` payloads: they travel as offsets, without a copy on the client. A put frees
+  the reserved regions among its payloads, whatever its outcome (the views must not be used after it);
+  free the others with ``Reservation.release()`` (unreleased ones stay taken until the arena is retired).
+  Any other payload, a slice of a reserved view included, is copied as before.
 - ``get`` returns `Chunks`: read-only views into the arena or the reply frames, valid until
   ``Chunks.release()`` (or the end of its ``with`` block, or its garbage collection), which gives the arena
   space back: copy what you keep longer.
@@ -85,7 +91,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.shm import ALIGN, ArenaError, ClientArena
 from kvstack.cache.tiers.base import Payload, byte_view
 
-__all__ = ["AsyncCacheClient", "CacheClient", "Chunks", "ClientStats"]
+__all__ = ["AsyncCacheClient", "CacheClient", "Chunks", "ClientStats", "Reservation"]
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +174,41 @@ class Chunks(Sequence[memoryview]):
         self.release()
 
 
+class Reservation(Sequence[memoryview]):
+    """Writable arena regions from ``reserve``, one per size; pass the views to ``put`` as they are."""
+
+    def __init__(self, views: list[memoryview], release: Callable[[list[memoryview]], None]) -> None:
+        self._views = views
+        self._release = release
+
+    def __len__(self) -> int:
+        return len(self._views)
+
+    def __getitem__(self, i: int) -> memoryview:  # type: ignore[override]
+        return self._views[i]
+
+    def __iter__(self) -> Iterator[memoryview]:
+        return iter(self._views)
+
+    def release(self) -> None:
+        """Give back the regions no ``put`` has sent yet; the views must not be used after this."""
+        views, self._views = self._views, []
+        self._release(views)
+
+    def __enter__(self) -> Reservation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(slots=True)
+class _Reserved:
+    view: memoryview
+    arena: ClientArena
+    offset: int
+
+
 def _free_regions(regions: list[tuple[ClientArena, int]]) -> None:
     for arena, offset in regions:
         if not arena.retired:
@@ -218,6 +259,9 @@ class _ClientCore:
         self._name = name
         self._ids = itertools.count(1)
         self._chunk_hint = 0  # the largest payload seen: how much arena a get lends per key
+        # Regions handed out by `reserve`, by id() of their view (the view is held here, so its id is not
+        # reused): a put recognises them by identity and sends their offsets instead of copying.
+        self._reserved: dict[int, _Reserved] = {}
         self._log = ThrottledLog(log, log_interval_s)
 
     # -- connection
@@ -458,6 +502,42 @@ class _ClientCore:
             return None
         return views
 
+    def reserve(self, sizes: Sequence[int]) -> Reservation | None:
+        """Writable arena regions of ``sizes`` bytes (each > 0), or None (no shared memory, or no room)."""
+        arena = self._arena()
+        if arena is None or not sizes:
+            return None
+        if any(n <= 0 for n in sizes):
+            raise ValueError(f"reserve: sizes must be > 0, got {list(sizes)}")
+        offsets: list[int] = []
+        for n in sizes:
+            at = arena.allocator.alloc(n)
+            if at is None:
+                for done in offsets:
+                    arena.allocator.free(done)
+                return None
+            offsets.append(at)
+        views = []
+        for n, at in zip(sizes, offsets, strict=True):
+            view = arena.view[at : at + n]
+            self._reserved[id(view)] = _Reserved(view, arena, at)
+            views.append(view)
+        return Reservation(views, self.release)
+
+    def release(self, views: Sequence[object]) -> None:
+        """Free the reserved regions of ``views`` (views already sent by a put are skipped)."""
+        if not self._reserved:
+            return
+        for view in views:
+            region = self._reserved.get(id(view))
+            if region is None or region.view is not view:
+                continue
+            del self._reserved[id(view)]
+            if not region.arena.retired:
+                region.arena.allocator.free(region.offset)
+            with contextlib.suppress(BufferError):  # exported further (numpy): its memory stays mapped
+                view.release()
+
     def put_plan(
         self,
         keys: Sequence[bytes],
@@ -473,6 +553,20 @@ class _ClientCore:
         join_keys(keys)  # checks every key is 32 bytes
         data = [byte_view(p) for p in payloads]
         self._chunk_hint = max([self._chunk_hint, *(d.nbytes for d in data)])
+        reserved = [self._reserved.get(id(p)) for p in payloads] if self._reserved else [None] * len(keys)
+        reserved = [
+            r if r is not None and r.view is p else None for r, p in zip(reserved, payloads, strict=True)
+        ]
+        return (yield from self._put_batches(keys, data, reserved, token_ids, parent))
+
+    def _put_batches(
+        self,
+        keys: Sequence[bytes],
+        data: list[memoryview],
+        reserved: list[_Reserved | None],
+        token_ids: Sequence[Sequence[int]] | None,
+        parent: bytes | None,
+    ) -> _Plan[bool]:
         start = 0
         while start < len(keys):
             arena = self._arena()
@@ -480,20 +574,29 @@ class _ClientCore:
             offsets: list[int] = []
             frames: list[memoryview] = []
             lent: list[int] = []
+            shared = False
             framed = 0
             used = _HEADER_BASE_BYTES  # an upper bound of the message size, to stay under the server's limit
             end = start
             while end < len(keys) and end - start < self.max_keys:
                 n = data[end].nbytes
-                at = arena.allocator.alloc(n) if arena is not None and n else None
+                region = reserved[end]
+                if region is not None and region.arena is arena:
+                    at: int | None = region.offset  # already in the arena: no copy, no allocation
+                else:
+                    region = None
+                    at = arena.allocator.alloc(n) if arena is not None and n else None
                 cost = _CHUNK_META_BYTES + (0 if token_ids is None else 5 * len(token_ids[end]))
                 cost += n if at is None else 0
                 if end > start and used + cost > self.max_message_bytes:
-                    if arena is not None and at is not None:
+                    if arena is not None and at is not None and region is None:
                         arena.allocator.free(at)
                     break
                 used += cost
-                if arena is not None and at is not None:
+                if region is not None and at is not None:
+                    shared = True
+                    offsets.append(at)
+                elif arena is not None and at is not None:
                     arena.view[at : at + n] = data[end]
                     lent.append(at)
                     offsets.append(at)
@@ -507,17 +610,17 @@ class _ClientCore:
                 id=next(self._ids),
                 keys=join_keys(keys[start:end]),
                 sizes=sizes,
-                offsets=offsets if lent else [],
-                arena=arena.name if arena is not None and lent else None,
+                offsets=offsets if lent or shared else [],
+                arena=arena.name if arena is not None and (lent or shared) else None,
                 parent=bytes(keys[start - 1]) if start else None if parent is None else bytes(parent),
                 token_ids=None if token_ids is None else [list(t) for t in token_ids[start:end]],
             )
-            outcome = yield _Call(request, frames, PutReply, arena if lent else None)
+            outcome = yield _Call(request, frames, PutReply, arena if lent or shared else None)
             if arena is not None and not arena.retired:
                 for at in lent:
                     arena.allocator.free(at)
             if isinstance(outcome, Failure):
-                if outcome.code == ErrorCode.ARENA and lent:
+                if outcome.code == ErrorCode.ARENA and (lent or shared):
                     self.shm_ok = False  # this batch again, through the socket
                     continue
                 return False
@@ -635,7 +738,19 @@ class CacheClient:
         token_ids: Sequence[Sequence[int]] | None = None,
         parent: bytes | None = None,
     ) -> bool:
-        return self._run(lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put")
+        try:
+            return self._run(lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put")
+        finally:  # sent or not, reserved regions among the payloads are the put's: freed now
+            self._core.release(payloads)
+
+    def reserve(self, sizes: Sequence[int]) -> Reservation | None:
+        """Writable arena regions to fill and pass to ``put`` (one copy less); None: use ordinary payloads."""
+        try:
+            if self._core.down() or self._connect():
+                return None
+            return self._core.reserve(sizes)
+        except Exception as e:
+            return self._core.bug("reserve", e, None)
 
     def evict(self, keys: Sequence[bytes]) -> int:
         return self._run(lambda: self._core.evict_plan(keys), 0, "evict")
@@ -786,7 +901,21 @@ class AsyncCacheClient:
         token_ids: Sequence[Sequence[int]] | None = None,
         parent: bytes | None = None,
     ) -> bool:
-        return await self._run(lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put")
+        try:
+            return await self._run(
+                lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put"
+            )
+        finally:  # sent or not, reserved regions among the payloads are the put's: freed now
+            self._core.release(payloads)
+
+    async def reserve(self, sizes: Sequence[int]) -> Reservation | None:
+        """Writable arena regions to fill and pass to ``put`` (one copy less); None: use ordinary payloads."""
+        try:
+            if self._core.down() or await self._connect():
+                return None
+            return self._core.reserve(sizes)
+        except Exception as e:
+            return self._core.bug("reserve", e, None)
 
     async def evict(self, keys: Sequence[bytes]) -> int:
         return await self._run(lambda: self._core.evict_plan(keys), 0, "evict")

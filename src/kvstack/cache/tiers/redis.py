@@ -5,8 +5,10 @@ and ``clear`` removes only this tier's keys. Values: one `record` (64-byte heade
 length, key and xxh3_128 of the payload, then the payload), written with ``SET .. PX ttl`` (``ttl_s`` None:
 no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case).
 
-- ``get_many`` is one ``MGET``; ``put_many`` one pipeline of ``SET``s (no transaction); ``contains`` one
-  pipeline of ``EXISTS``. A value that fails verification is deleted (``DEL``), counted in ``corrupt`` and a
+- ``get_many`` is one ``MGET``; ``contains`` one pipeline of ``EXISTS``. ``put_many`` is one pipeline of
+  ``SET``s (no transaction) framed here in RESP, each record's header and payload as separate buffers of one
+  bulk string: the payload is not copied into a joined value, as redis-py's ``pipe.set`` would need (one
+  buffer per value). A value that fails verification is deleted (``DEL``), counted in ``corrupt`` and a
   miss.
 - Connection loss or a timeout (``socket_timeout_s``) marks the tier down: from then on reads are misses and
   writes are dropped, without touching the network, counted, never raised. A background task drops the
@@ -29,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
@@ -76,6 +78,7 @@ class RedisTier(Tier):
         self.prefix = prefix
         self._prefix = prefix.encode()
         self._ttl_ms = None if ttl_s is None else max(1, int(ttl_s * 1000))
+        self._px = b"" if self._ttl_ms is None else b"%d" % self._ttl_ms
         self._socket_timeout_s = socket_timeout_s
         self._connect_timeout_s = connect_timeout_s
         self._retry_initial_s = retry_initial_s
@@ -177,11 +180,25 @@ class RedisTier(Tier):
             return 0
 
         async def set_each(client: aioredis.Redis) -> list[Any]:
-            async with client.pipeline(transaction=False) as pipe:
-                for key, data in items:
-                    payload = byte_view(data)
-                    pipe.set(self._key(key), b"".join((pack_header(key, payload), payload)), px=self._ttl_ms)
-                return await pipe.execute(raise_on_error=False)
+            frames: list[bytes | memoryview] = []
+            for key, data in items:
+                frames += _set_frames(self._key(key), byte_view(data), key, self._px)
+            pool = client.connection_pool
+            conn = await pool.get_connection()
+            try:
+                await conn.send_packed_command(frames)
+                results: list[Any] = []
+                for _ in items:
+                    try:
+                        results.append(await conn.read_response() == b"OK")
+                    except ResponseError as e:  # this SET failed; its reply is read, the rest follow
+                        results.append(e)
+                return results
+            except BaseException:
+                await conn.disconnect()  # unread replies must not reach the connection's next user
+                raise
+            finally:
+                await pool.release(conn)
 
         results = await self._guard(set_each)
         if results is _FAILED:
@@ -294,6 +311,21 @@ class RedisTier(Tier):
             self._up = True
             log.warning("redis tier %s: %s is reachable again", self.name, self.url)
             return
+
+
+def _set_frames(name: bytes, payload: memoryview, key: ChunkKey, px: bytes) -> list[bytes | memoryview]:
+    """``SET name <record> [PX px]`` in RESP, the record's payload as a frame of its own (not copied)."""
+    header = pack_header(key, payload)
+    argc = 5 if px else 3
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n%b" % (
+        argc,
+        len(name),
+        name,
+        len(header) + payload.nbytes,
+        header,
+    )
+    tail = b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(px), px) if px else b"\r\n"
+    return [head, payload, tail]
 
 
 def _glob_escape(text: bytes) -> bytes:
