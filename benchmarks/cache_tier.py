@@ -92,7 +92,7 @@ from typing import Any
 
 import numpy as np
 import zmq
-from machine_info import machine
+from machine_info import machine, process_cpu_seconds
 from rich.console import Console
 from rich.table import Table
 
@@ -254,16 +254,6 @@ def chunks_of(size: int, n: int) -> list[np.ndarray]:
 
 def size_label(nbytes: int) -> str:
     return f"{nbytes // MiB} MiB" if nbytes >= MiB else f"{nbytes // 1024} KiB"
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, from /proc/<pid>/stat; 0 when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def run_async(coro: Any) -> None:

@@ -44,3 +44,16 @@ def idle_check(seconds: float = 1.0) -> float:
     time.sleep(seconds)
     busy1, all1 = machine_cpu_ticks()
     return 100 * (busy1 - busy0) / max(1, all1 - all0)
+
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc/<pid>/stat; 0 when it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK

@@ -63,7 +63,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine, machine_cpu_ticks
+from machine_info import machine, machine_cpu_ticks, process_cpu_seconds
 from rich.console import Console
 from rich.table import Table
 
@@ -134,14 +134,6 @@ end
 
 
 # -- /proc ----------------------------------------------------------------------------------------
-def process_cpu_seconds(pid: int) -> float:
-    """utime + stime of a process (all its threads), from /proc/<pid>/stat; 0 when it is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def group_pids(pgid: int) -> list[int]:
