@@ -109,7 +109,6 @@ KVSTACK = REPO / ".venvs" / "dev" / "bin" / "kvstack"
 OUT_DIR = REPO / ".cache" / "bench" / "cache_tier"
 HOST = "127.0.0.1"
 MiB = 1 << 20
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SECTIONS = ("memory", "server", "lookup", "disk", "redis")
 LAYOUT = KVLayout(model="bench/llama-3-8b", num_layers=32, num_kv_heads=8, head_size=128, dtype="bfloat16")
 CHUNK_TOKENS = 256

@@ -81,7 +81,6 @@ STREAM_BODY = PLAIN_BODY[:-1] + b',"stream":true}'
 LOW_CONNECTIONS = 4
 MAX_CONNECTIONS = 64
 WRK_TIMEOUT = "5s"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 # wrk's main and thread Lua states both read the environment, so whether delay() and request() exist
 # is decided identically in all of them (wrk checks for delay() in the main state).
