@@ -38,7 +38,15 @@ import xxhash
 
 from kvstack.engines.tokenizer import Tokenizer
 
-__all__ = ["ChatPrompt", "IdsPrompt", "PromptTokenizer", "TextPrompt", "TokenizerStats", "prompt_of"]
+__all__ = [
+    "ChatPrompt",
+    "IdsPrompt",
+    "PromptTokenizer",
+    "TextPrompt",
+    "TokenizerStats",
+    "prompt_ids",
+    "prompt_of",
+]
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder(order="deterministic")
@@ -175,11 +183,6 @@ class PromptTokenizer:
         self._cached_tokens = 0
         self._executor: ThreadPoolExecutor | None = None
 
-    def can_tokenize(self, model: str) -> bool:
-        return self._local_tokenizer(model) is not None or (
-            self.session is not None and self.engine_for is not None
-        )
-
     def _local_tokenizer(self, model: str) -> Tokenizer | None:
         return self.tokenizers.get(model, self.default)
 
@@ -232,12 +235,12 @@ class PromptTokenizer:
         size = len(prompt.text) if isinstance(prompt, TextPrompt) else _chat_size(prompt.messages)
         try:
             if size <= self.inline_chars:
-                return _render_and_encode(tokenizer, prompt)
+                return prompt_ids(tokenizer, prompt)
             self.stats.offloaded += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvstack-tokenize")
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor, _render_and_encode, tokenizer, prompt)
+            return await loop.run_in_executor(self._executor, prompt_ids, tokenizer, prompt)
         except Exception as exc:  # a user's template or messages can fail in many ways; the engine will say
             log.debug("local tokenization failed: %r", exc)
             return None
@@ -274,7 +277,8 @@ class PromptTokenizer:
             self._executor = None
 
 
-def _render_and_encode(tokenizer: Tokenizer, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...]:
+def prompt_ids(tokenizer: Tokenizer, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...]:
+    """The ids an engine computes for ``prompt`` (chat: the template rendered, then encoded); may raise."""
     if isinstance(prompt, TextPrompt):
         return tuple(tokenizer.encode(prompt.text, add_special_tokens=prompt.add_special_tokens))
     text = tokenizer.render_chat(

@@ -121,6 +121,7 @@ class RouterApp:
         self.extra_state = extra_state
         self.listeners = tuple(listeners)
         self.group = group
+        self._worker_index = "" if group is None else str(group.index)
         self.on_metrics = on_metrics  # refreshes gauges read from other objects, before /metrics renders
         if group is not None:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
@@ -179,7 +180,7 @@ class RouterApp:
         # Which router process answered (several share the port); set before a stream's headers go out.
         response = await handler(request)
         if not response.prepared:
-            response.headers[WORKER_HEADER] = str(self.group.index if self.group else 0)
+            response.headers[WORKER_HEADER] = self._worker_index
         return response
 
     @web.middleware

@@ -74,9 +74,6 @@ class KVEventFeeds:
         self._subscribers: dict[str, tuple[str | None, KVEventSubscriber]] = {}
         self._stopping: set[asyncio.Task[None]] = set()
 
-    def __contains__(self, url: object) -> bool:
-        return url in self._subscribers
-
     def subscriber(self, url: str) -> KVEventSubscriber | None:
         entry = self._subscribers.get(url)
         return None if entry is None else entry[1]

@@ -150,11 +150,6 @@ class PrefixLocator:
         """A cache server whose events arrive as ``location``, on ``node`` (None: no node-local credit)."""
         self._cache_nodes[location] = node
 
-    def remove_cache(self, location: str) -> None:
-        self._cache_nodes.pop(location, None)
-        self.forget(location)
-        self.forget(_remote(location))
-
     def forget(self, engine: str) -> None:
         """The engine left the fleet: drop everything known about it."""
         self.index.clear_location(engine)

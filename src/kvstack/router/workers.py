@@ -34,7 +34,7 @@ import logging
 import mmap
 import os
 import struct
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -127,7 +127,7 @@ class SharedInFlight:
 
 
 # An internal command: (op, body) -> applied locally. Raising OpenAIError reports the failure.
-Command = Callable[[str, dict[str, Any]], Awaitable[None] | None]
+Command = Callable[[str, dict[str, Any]], None]
 
 
 class WorkerGroup:
@@ -179,9 +179,7 @@ class WorkerGroup:
         if handler is None:
             raise errors.bad_request(f"unknown internal operation {op!r}")
         body = msgspec.json.decode(await request.read())
-        result = handler(op, body)
-        if asyncio.iscoroutine(result):
-            await result
+        handler(op, body)
         return json_response({"applied": op, "worker": self.index})
 
     async def broadcast(self, op: str, body: dict[str, Any]) -> int:

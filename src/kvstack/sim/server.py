@@ -22,6 +22,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from kvstack.engines.prompt_tokens import ChatPrompt, prompt_ids
 from kvstack.engines.tokenizer import Tokenizer
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -199,18 +200,18 @@ class SimServer:
         return list(prompt)  # ids are checked with the engine input (check_engine_input)
 
     def _chat_ids(self, req: ChatRequest) -> list[int]:
+        prompt = ChatPrompt(
+            req.messages,
+            add_generation_prompt=req.add_generation_prompt,
+            continue_final_message=req.continue_final_message,
+            chat_template=req.chat_template,
+            chat_template_kwargs=req.chat_template_kwargs,
+            tools=req.tools,
+        )
         try:
-            text = self.tokenizer.render_chat(
-                req.messages,
-                add_generation_prompt=req.add_generation_prompt,
-                continue_final_message=req.continue_final_message,
-                chat_template=req.chat_template,
-                chat_template_kwargs=req.chat_template_kwargs,
-                tools=req.tools,
-            )
+            return list(prompt_ids(self.tokenizer, prompt))
         except Exception as exc:  # a user's template or messages can fail in many ways
             raise errors.bad_request(f"Failed to apply chat template: {exc}") from None
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     async def tokenize(self, request: web.Request) -> web.Response:
         req = parse_tokenize_request(await self._body(request), self.limits)
