@@ -75,7 +75,7 @@ async def _sims(
     return out
 
 
-async def _until(predicate: object, limit: float = 10.0) -> None:
+async def _until(predicate: object, limit: float = 30.0) -> None:
     assert callable(predicate)
     async with asyncio.timeout(limit):
         while not predicate():  # noqa: ASYNC110 - polls router state that has no event to wait on

@@ -18,14 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -34,11 +32,12 @@ from kvstack.openai.errors import OpenAIError
 from kvstack.openai.sse import encode_error_event
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.registry import EngineEntry, EngineRegistry
+from kvstack.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
-# Hop-by-hop headers (RFC 9110 §7.6.1) and ones aiohttp recomputes.
+# Hop-by-hop headers (RFC 9110 §7.6.1) and ones the upstream client sets itself.
 _DROP_REQUEST_HEADERS = frozenset(
     {
         "connection",
@@ -54,20 +53,15 @@ _DROP_REQUEST_HEADERS = frozenset(
         "authorization",
     }
 )
+# Bodies are relayed as the engine sent them (never decompressed), so Content-Encoding passes through.
 _DROP_RESPONSE_HEADERS = frozenset(
-    {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding", "date", "server"}
+    {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
 # Response header naming the engine that answered (for clients, load tests and debugging).
 ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
 WHOLE_BODY_MAX = 8 * 1024 * 1024
-
-
-@functools.lru_cache(maxsize=64)
-def _client_timeout(connect: float) -> aiohttp.ClientTimeout:
-    # No total here: the proxy's own first-byte, idle and total timers bound the request.
-    return aiohttp.ClientTimeout(total=None, sock_connect=connect, connect=connect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,9 +113,7 @@ class Outcome:
 
 
 class _Retryable(Exception):
-    def __init__(
-        self, reason: str, response: aiohttp.ClientResponse | None = None, body: bytes = b""
-    ) -> None:
+    def __init__(self, reason: str, response: UpstreamResponse | None = None, body: bytes = b"") -> None:
         super().__init__(reason)
         self.reason = reason
         self.response = response
@@ -131,7 +123,7 @@ class _Retryable(Exception):
 class Proxy:
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        upstream: UpstreamPool,
         registry: EngineRegistry,
         metrics: RouterMetrics,
         *,
@@ -140,7 +132,7 @@ class Proxy:
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.session = session
+        self.upstream = upstream
         self.registry = registry
         self.metrics = metrics
         self.timeouts = timeouts or Timeouts()
@@ -180,7 +172,7 @@ class Proxy:
             outcome.engine = url
             try:
                 return await self._attempt(
-                    request, entry, path, body, headers, stream, timeouts, deadline, outcome
+                    request, entry, path, body, headers, request_id, stream, timeouts, deadline, outcome
                 )
             except _Retryable as exc:
                 if last_error is not None and last_error.response is not None:
@@ -200,7 +192,7 @@ class Proxy:
             out = web.Response(
                 status=resp.status,
                 body=last_error.body,
-                headers=_response_headers(resp, request_id, str(resp.url.origin())),
+                headers=_response_headers(resp, request_id, resp.url),
             )
             resp.release()
             return out
@@ -217,7 +209,8 @@ class Proxy:
         entry: EngineEntry,
         path: str,
         body: bytes,
-        headers: CIMultiDict[str],
+        headers: list[tuple[str, str]],
+        request_id: str,
         stream: bool,
         timeouts: Timeouts,
         deadline: float,
@@ -230,7 +223,7 @@ class Proxy:
         self.registry.note_sent(state, self._clock())
         in_flight_gauge = self.metrics.engine_in_flight(url)
         in_flight_gauge.set(state.in_flight)
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamResponse | None = None
         response: web.StreamResponse | None = None
         settled = False
 
@@ -251,23 +244,16 @@ class Proxy:
             first_byte = min(timeouts.first_byte, max(0.0, deadline - self._clock()))
             try:
                 async with asyncio.timeout(first_byte):
-                    upstream = await self.session.post(
-                        url + path,
-                        data=body,
-                        headers=headers,
-                        timeout=_client_timeout(timeouts.connect),
-                        allow_redirects=False,
+                    upstream = await self.upstream.request(
+                        url, path, headers, body, connect_timeout=timeouts.connect
                     )
             except TimeoutError:
                 settle(False)
                 raise _Retryable("first_byte_timeout") from None
-            except aiohttp.ClientConnectorError:
+            except UpstreamError as exc:
+                # Connect errors, and a connection the engine closed or broke before its answer.
                 settle(False)
-                raise _Retryable("connect_error") from None
-            except aiohttp.ClientConnectionError as exc:
-                # Includes a pooled connection the engine reset: the engine's failure, not the client's.
-                settle(False)
-                raise _Retryable(type(exc).__name__) from None
+                raise _Retryable(exc.reason) from None
 
             if upstream.status in RETRY_STATUSES:
                 data = await _read_small(upstream, timeouts.idle)
@@ -279,8 +265,8 @@ class Proxy:
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
             outcome.status = upstream.status
-            resp_headers = _response_headers(upstream, headers["x-request-id"], url)
-            is_sse = (upstream.headers.get("Content-Type") or "").startswith("text/event-stream")
+            resp_headers = _response_headers(upstream, request_id, url)
+            is_sse = (upstream.header("content-type") or "").startswith("text/event-stream")
             length = upstream.content_length
             loop = asyncio.get_running_loop()
 
@@ -289,7 +275,7 @@ class Proxy:
                 try:
                     async with asyncio.timeout(min(timeouts.idle, max(0.0, deadline - self._clock()))):
                         data = await upstream.read()
-                except (TimeoutError, aiohttp.ClientPayloadError, aiohttp.ClientConnectionError):
+                except (TimeoutError, UpstreamError):
                     settle(False)
                     self.metrics.upstream_errors.labels(engine=url, reason="body").inc()
                     raise OpenAIError(
@@ -302,7 +288,6 @@ class Proxy:
             response = web.StreamResponse(status=upstream.status, headers=resp_headers)
             await response.prepare(request)
             outcome.first_byte_at = self._clock()
-            content = upstream.content
             # One timer for the whole relay, pushed forward before each read (idle gap, capped by the total).
             async with asyncio.timeout(None) as watchdog:
                 while True:
@@ -311,8 +296,8 @@ class Proxy:
                     )
                     broke: Exception | None = None
                     try:
-                        chunk = await content.readany()
-                    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+                        chunk = await upstream.readany()
+                    except UpstreamError as exc:
                         chunk, broke = b"", exc
                     if broke is not None:
                         watchdog.reschedule(None)
@@ -364,7 +349,7 @@ class Proxy:
 
 async def _upstream_broke(
     response: web.StreamResponse,
-    upstream: aiohttp.ClientResponse,
+    upstream: UpstreamResponse,
     exc: BaseException,
     url: str,
     sse: bool,
@@ -383,29 +368,39 @@ async def _upstream_broke(
     return response
 
 
-async def _read_small(resp: aiohttp.ClientResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
+async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
+    """Up to ``limit`` bytes of a refused answer's body (to pass on if every engine refuses)."""
+    pieces: list[bytes] = []
+    size = 0
     try:
         async with asyncio.timeout(wait_s):
-            return await resp.content.read(limit)
-    except (TimeoutError, aiohttp.ClientError):
-        return b""
+            while size < limit:
+                piece = await resp.readany()
+                if not piece:
+                    break
+                pieces.append(piece)
+                size += len(piece)
+    except (TimeoutError, UpstreamError):
+        pass
+    return b"".join(pieces)[:limit]
 
 
-def _forward_headers(incoming: Mapping[str, str], request_id: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
+def _forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
+    out: list[tuple[str, str]] = []
     for key, value in incoming.items():
         lk = key.lower()
-        if lk in _DROP_REQUEST_HEADERS or lk.startswith(TIMEOUT_HEADER_PREFIX):
+        if lk in _DROP_REQUEST_HEADERS or lk.startswith(TIMEOUT_HEADER_PREFIX) or lk == "x-request-id":
             continue
-        out.add(key, value)
-    out["x-request-id"] = request_id
+        out.append((key, value))
+    out.append(("x-request-id", request_id))
     return out
 
 
-def _response_headers(resp: aiohttp.ClientResponse, request_id: str, engine: str) -> CIMultiDict[str]:
+def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> CIMultiDict[str]:
     out: CIMultiDict[str] = CIMultiDict()
-    for key, value in resp.headers.items():
-        if key.lower() not in _DROP_RESPONSE_HEADERS:
+    for key, value in resp.headers:
+        lk = key.lower()
+        if lk not in _DROP_RESPONSE_HEADERS and lk != "x-request-id" and lk != ENGINE_HEADER:
             out.add(key, value)
     out["x-request-id"] = request_id
     out[ENGINE_HEADER] = engine

@@ -1,5 +1,6 @@
-"""Assemble and run the router: one aiohttp client session, the registry, scheduling, proxy, admission,
-metrics and the engine-state background tasks, all built here and passed in (no globals).
+"""Assemble and run the router: the upstream connection pool, one aiohttp client session, the registry,
+scheduling, proxy, admission, metrics and the engine-state background tasks, all built here and passed in
+(no globals).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from kvstack.router.prefix import PrefixLocator, PrefixSource
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.routing import SchedulerPicker
+from kvstack.router.upstream import UpstreamPool
 from kvstack.router.workers import WorkerGroup, WorkerGroupConfig
 from kvstack.scheduling import Scheduler, build_scheduler
 from kvstack.scheduling.presets import load_routing
@@ -86,6 +88,7 @@ class RunningRouter:
     prompts: PromptTokenizer | None = None
     locator: PrefixLocator | None = None
     group: WorkerGroup | None = None
+    upstream: UpstreamPool | None = None
 
     async def stop(self) -> None:
         if self.discovery is not None:
@@ -98,16 +101,18 @@ class RunningRouter:
             self.prompts.close()
         await self.scraper.stop()
         await self.runner.cleanup()
+        if self.upstream is not None:
+            await self.upstream.close()
         await self.session.close()
         await self.scrape_session.close()
 
 
 async def start_router(opts: RouterOptions) -> RunningRouter:
-    connector = aiohttp.TCPConnector(limit=opts.connection_limit, limit_per_host=0, ttl_dns_cache=300)
-    # No client-wide timeout: the proxy applies connect, first-byte, idle and total timeouts itself.
-    session = aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
-    )
+    # Proxied requests go through the lean pool; the session serves the router's own calls to engines
+    # (models, KV event sources, remote tokenization), each with its own timeout.
+    upstream = UpstreamPool(max_connections=opts.connection_limit)
+    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
+    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
     group = None if opts.group is None else WorkerGroup(opts.group)
     registry = EngineRegistry(
         opts.circuit,
@@ -136,7 +141,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     # Until an engine's events are found, prefix routing knows it only from its own history.
     # (In "auto" routing, the fallback preset uses no prefix knowledge at all.)
     registry.default_knowledge = "approximate" if scheduler.needs_prefix else "none"
-    proxy = Proxy(session, registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
+    proxy = Proxy(upstream, registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
     max_in_flight, max_queue = opts.max_in_flight, opts.max_queue
     if opts.group is not None:  # router-wide limits, shared out between the workers
         max_in_flight, max_queue = opts.group.limit(max_in_flight), opts.group.limit(max_queue)
@@ -167,6 +172,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         await site.start()
     except BaseException:
         await runner.cleanup()
+        await upstream.close()
         await session.close()
         if group is not None:
             await group.stop()
@@ -208,6 +214,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         prompts,
         locator,
         group,
+        upstream,
     )
 
 

@@ -1,0 +1,491 @@
+"""A lean HTTP/1.1 client for the proxy's one job: send a request to an engine, relay the answer.
+
+The router's general-purpose client (aiohttp) does far more per request than forwarding needs: request and
+response objects, cookie jars, URL objects, tracing hooks, a payload registry. Here a request is one
+pre-built header block and the body, written with one ``writelines``; the answer is parsed by llhttp
+(``httptools``) straight into a status, a header list and body pieces. Connections are kept alive and pooled
+per engine origin.
+
+- ``UpstreamPool.request`` connects (or reuses an idle connection), sends, and returns an
+  ``UpstreamResponse`` once the status line and headers arrived. Errors: ``ConnectFailed`` (nothing was
+  sent), ``UpstreamBroken`` (the connection failed or the answer was not HTTP).
+- A pooled connection the engine closed while it sat idle fails before any answer byte; that one request is
+  sent again once on a new connection (the engine never saw it).
+- Reading: ``read()`` returns the whole body, ``readany()`` the next piece (``b""`` at the end). Reading
+  stops (``pause_reading``) while more than ``READ_HIGH_WATER`` bytes wait for the caller, so a slow client
+  cannot make the router buffer an engine's stream.
+- ``release()`` puts the connection back only when its answer was read to the end and both sides keep it
+  alive; anything else closes it. ``close()`` always closes: for a stream the client left, closing is how
+  the engine learns to abort.
+- Bounded: at most ``max_idle_per_origin`` idle connections per engine, each idle at most ``idle_timeout``
+  seconds; ``max_connections`` in use and idle together (0 = unlimited), waited for in order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import ssl
+import time
+from dataclasses import dataclass
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import httptools
+
+__all__ = [
+    "ConnectFailed",
+    "Origin",
+    "UpstreamBroken",
+    "UpstreamError",
+    "UpstreamPool",
+    "UpstreamResponse",
+]
+
+READ_HIGH_WATER = 1 << 20
+READ_LOW_WATER = READ_HIGH_WATER // 4
+
+
+class UpstreamError(Exception):
+    """A forwarded request failed at the transport or HTTP level; ``reason`` is a short metric label."""
+
+    reason = "upstream_error"
+
+
+class ConnectFailed(UpstreamError):
+    reason = "connect_error"
+
+
+class UpstreamBroken(UpstreamError):
+    reason = "upstream_broke"
+
+
+@dataclass(frozen=True, slots=True)
+class Origin:
+    """Where an engine base URL points: the connection key, its Host header and its path prefix."""
+
+    scheme: str
+    host: str
+    port: int
+    base_path: str
+    host_header: str
+
+    @classmethod
+    def parse(cls, base_url: str) -> Origin:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        host_header = parts.netloc.rpartition("@")[2]
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), host_header)
+
+
+class UpstreamResponse:
+    """An engine's answer: status and headers at once, the body as it arrives."""
+
+    __slots__ = (
+        "_buffered",
+        "_conn",
+        "_done",
+        "_error",
+        "_paused",
+        "_pieces",
+        "_waiter",
+        "content_length",
+        "headers",
+        "keep_alive",
+        "status",
+        "url",
+    )
+
+    def __init__(self, conn: _Connection, url: str) -> None:
+        self._conn = conn
+        self._pieces: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._done = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._paused = False
+        self.status = 0
+        self.headers: list[tuple[str, str]] = []
+        self.content_length: int | None = None
+        self.keep_alive = False
+        self.url = url
+
+    def header(self, name: str) -> str | None:
+        """The first header named ``name`` (lower case)."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    @property
+    def complete(self) -> bool:
+        return self._done
+
+    # -- fed by the connection -----------------------------------------------------------------------
+    def _feed(self, data: bytes) -> None:
+        self._pieces.append(data)
+        self._buffered += len(data)
+        if self._buffered > READ_HIGH_WATER and not self._paused:
+            self._paused = True
+            self._conn.pause()
+        self._wake()
+
+    def _finish(self) -> None:
+        self._done = True
+        self._wake()
+
+    def _fail(self, error: UpstreamError) -> None:
+        if not self._done and self._error is None:
+            self._error = error
+            self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
+    # -- read by the proxy ---------------------------------------------------------------------------
+    async def readany(self) -> bytes:
+        """The next body piece; ``b""`` once the body ended. Raises ``UpstreamBroken`` if it broke."""
+        while not self._pieces:
+            if self._error is not None:
+                raise self._error
+            if self._done:
+                return b""
+            await self._wait()
+        if len(self._pieces) == 1:
+            data = self._pieces.popleft()
+        else:
+            data = b"".join(self._pieces)
+            self._pieces.clear()
+        self._buffered = 0
+        if self._paused:
+            self._paused = False
+            self._conn.resume()
+        return data
+
+    async def read(self) -> bytes:
+        """The whole body (the caller bounds the wait)."""
+        while not self._done:
+            if self._error is not None:
+                raise self._error
+            if self._paused:  # the caller wants it all: keep reading
+                self._paused = False
+                self._conn.resume()
+            await self._wait()
+        data = b"".join(self._pieces)
+        self._pieces.clear()
+        self._buffered = 0
+        return data
+
+    def release(self) -> None:
+        """Done with this answer: the connection goes back to the pool if it can be reused, else closes."""
+        self._conn.release(self)
+
+    def close(self) -> None:
+        """Close the connection (the engine sees the request end)."""
+        self._conn.close()
+
+
+class _Connection(asyncio.Protocol):
+    """One keep-alive connection to an engine; parses one answer at a time."""
+
+    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+        self.pool = pool
+        self.origin = origin
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.response: UpstreamResponse | None = None
+        self.headers_ready: asyncio.Future[None] | None = None
+        self.got_bytes = False
+        self.closed = False
+        self.uses = 0
+        self.idle_since = 0.0
+        self._header_name = ""
+
+    # -- asyncio.Protocol --------------------------------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports do not subclass asyncio.Transport; they have its methods.
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.got_bytes = True
+        if self.response is None:  # bytes nobody asked for: the connection is not usable
+            self.close()
+            return
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broken("the engine switched protocols")
+        except httptools.HttpParserError as exc:
+            self._broken(f"malformed HTTP from the engine: {exc}")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.pool._forget(self)
+        error = UpstreamBroken(f"connection to the engine lost{f': {exc}' if exc else ''}")
+        if self.headers_ready is not None and not self.headers_ready.done():
+            self.headers_ready.set_exception(error)
+        response = self.response
+        if response is None or response.complete:
+            return
+        if (
+            exc is None
+            and response.status
+            and response.content_length is None
+            and response.header("transfer-encoding") is None
+        ):
+            response._finish()  # an answer without a length or chunks ends with the connection
+        else:
+            response._fail(error)
+
+    # -- httptools callbacks -----------------------------------------------------------------------
+    def on_header(self, name: bytes, value: bytes) -> None:
+        assert self.response is not None
+        self.response.headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
+
+    def on_headers_complete(self) -> None:
+        response = self.response
+        assert response is not None
+        response.status = self.parser.get_status_code()
+        response.keep_alive = self.parser.should_keep_alive()
+        length = response.header("content-length")
+        if length is not None and length.isdigit():
+            response.content_length = int(length)
+        if self.headers_ready is not None and not self.headers_ready.done():
+            self.headers_ready.set_result(None)
+
+    def on_body(self, body: bytes) -> None:
+        assert self.response is not None
+        self.response._feed(body)
+
+    def on_message_complete(self) -> None:
+        assert self.response is not None
+        self.response._finish()
+
+    # -- used by the pool and the response ----------------------------------------------------------
+    def _broken(self, why: str) -> None:
+        error = UpstreamBroken(why)
+        if self.headers_ready is not None and not self.headers_ready.done():
+            self.headers_ready.set_exception(error)
+        if self.response is not None:
+            self.response._fail(error)
+        self.close()
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.closed:
+            self.transport.resume_reading()
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.pool._forget(self)
+            if self.transport is not None:
+                self.transport.close()
+
+    def release(self, response: UpstreamResponse) -> None:
+        if response is not self.response:
+            return
+        if self.closed or not response.complete or not response.keep_alive or response._paused:
+            self.close()
+            return
+        self.response = None
+        self.headers_ready = None
+        self.pool._idle(self)
+
+
+class UpstreamPool:
+    def __init__(
+        self,
+        *,
+        max_idle_per_origin: int = 256,
+        idle_timeout: float = 30.0,
+        max_connections: int = 0,
+        ssl_context: ssl.SSLContext | None = None,
+        clock: Any = time.monotonic,
+    ) -> None:
+        self.max_idle_per_origin = max_idle_per_origin
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+        self._ssl = ssl_context
+        self._clock = clock
+        self._origins: dict[str, Origin] = {}
+        self._idle_conns: dict[Origin, collections.deque[_Connection]] = {}
+        self._open: set[_Connection] = set()
+        self._slots: asyncio.Semaphore | None = (
+            asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        )
+        self._closed = False
+
+    def origin(self, base_url: str) -> Origin:
+        origin = self._origins.get(base_url)
+        if origin is None:
+            origin = Origin.parse(base_url)
+            if len(self._origins) > 4096:  # engines come and go: keep the memo bounded
+                self._origins.clear()
+            self._origins[base_url] = origin
+        return origin
+
+    @property
+    def open_connections(self) -> int:
+        return len(self._open)
+
+    @property
+    def idle_connections(self) -> int:
+        return sum(len(q) for q in self._idle_conns.values())
+
+    async def request(
+        self,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        connect_timeout: float,
+        method: str = "POST",
+    ) -> UpstreamResponse:
+        """Send one request; return when the answer's headers arrived (the caller bounds the wait)."""
+        origin = self.origin(base_url)
+        head = _request_head(method, origin, path, headers, len(body))
+        for fresh_only in (False, True):
+            conn = None if fresh_only else self._take_idle(origin)
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect(origin, connect_timeout)
+            response = UpstreamResponse(conn, base_url)
+            loop = asyncio.get_running_loop()
+            conn.response = response
+            conn.headers_ready = loop.create_future()
+            conn.got_bytes = False
+            conn.uses += 1
+            assert conn.transport is not None
+            if conn.closed:
+                if reused:
+                    continue
+                raise UpstreamBroken("connection to the engine closed before the request was sent")
+            conn.transport.writelines((head, body) if body else (head,))
+            try:
+                await conn.headers_ready
+            except UpstreamBroken:
+                if reused and not conn.got_bytes:
+                    continue  # an idle keep-alive connection the engine had closed: try a new one once
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            return response
+        raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
+
+    def _take_idle(self, origin: Origin) -> _Connection | None:
+        queue = self._idle_conns.get(origin)
+        if not queue:
+            return None
+        oldest_ok = self._clock() - self.idle_timeout
+        while queue:
+            conn = queue.pop()  # the most recently used: warm, least likely timed out by the engine
+            if conn.closed:
+                continue
+            if conn.idle_since < oldest_ok:
+                conn.close()
+                continue
+            return conn
+        return None
+
+    async def _connect(self, origin: Origin, connect_timeout: float) -> _Connection:
+        if self._closed:
+            raise ConnectFailed("the router is shutting down")
+        if self._slots is not None:
+            if self._slots.locked():
+                self._close_oldest_idle()
+            try:
+                async with asyncio.timeout(connect_timeout):
+                    await self._slots.acquire()
+            except TimeoutError:
+                raise ConnectFailed(f"no free connection slot in {connect_timeout:g} s") from None
+        loop = asyncio.get_running_loop()
+        conn = _Connection(self, origin)
+        ssl_ctx: ssl.SSLContext | None = None
+        if origin.scheme == "https":
+            ssl_ctx = self._ssl or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(connect_timeout):
+                await loop.create_connection(
+                    lambda: conn,
+                    origin.host,
+                    origin.port,
+                    ssl=ssl_ctx,
+                    server_hostname=origin.host if ssl_ctx else None,
+                )
+        except TimeoutError:
+            self._release_slot()
+            where = f"{origin.host}:{origin.port}"
+            raise ConnectFailed(f"connect to {where} timed out after {connect_timeout:g} s") from None
+        except OSError as exc:
+            self._release_slot()
+            raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {exc}") from None
+        except BaseException:
+            self._release_slot()
+            conn.close()
+            raise
+        self._open.add(conn)
+        return conn
+
+    def _close_oldest_idle(self) -> None:
+        """Free a connection slot held by an idle connection (whichever engine's waited longest)."""
+        oldest: collections.deque[_Connection] | None = None
+        for queue in self._idle_conns.values():
+            if queue and (oldest is None or queue[0].idle_since < oldest[0].idle_since):
+                oldest = queue
+        if oldest is not None:
+            oldest.popleft().close()
+
+    def _release_slot(self) -> None:
+        if self._slots is not None:
+            self._slots.release()
+
+    def _idle(self, conn: _Connection) -> None:
+        queue = self._idle_conns.setdefault(conn.origin, collections.deque())
+        conn.idle_since = self._clock()
+        queue.append(conn)
+        while len(queue) > self.max_idle_per_origin:
+            queue.popleft().close()
+        # Engines that went away leave their idle connections behind; sweep the stale ones from the front.
+        oldest_ok = conn.idle_since - self.idle_timeout
+        while queue and (queue[0].closed or queue[0].idle_since < oldest_ok):
+            queue.popleft().close()
+
+    def _forget(self, conn: _Connection) -> None:
+        if conn in self._open:
+            self._open.discard(conn)
+            self._release_slot()
+
+    async def close(self) -> None:
+        self._closed = True
+        for conn in list(self._open):
+            conn.close()
+        self._idle_conns.clear()
+
+
+def _request_head(
+    method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
+) -> bytes:
+    lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"Host: {origin.host_header}"]
+    lines.extend(f"{name}: {value}" for name, value in headers)
+    lines.append(f"Content-Length: {length}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
