@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import math
 from collections import deque
-from collections.abc import AsyncIterator
 
 
 class AdmissionRejected(Exception):
@@ -73,10 +72,3 @@ class AdmissionController:
                 return
         self.in_flight -= 1
 
-    @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        await self.acquire()
-        try:
-            yield
-        finally:
-            self.release()

@@ -383,7 +383,8 @@ class RouterApp:
         model_label = route.model if route.model in self.registry.models() else "other"
         outcome = Outcome()
         try:
-            async with self.admission.slot():
+            await self.admission.acquire()
+            try:
                 profile, candidates = await self._candidates(route)
                 self.metrics.decision(profile, candidates[0])
                 response = await self.proxy.forward(
@@ -396,6 +397,8 @@ class RouterApp:
                     timeouts=timeouts,
                     outcome=outcome,
                 )
+            finally:
+                self.admission.release()
         except AdmissionRejected as rej:
             self.metrics.admission_rejections.labels(reason=rej.reason).inc()
             err = errors.rate_limited(f"router is at capacity ({rej.reason}); retry later")
