@@ -131,14 +131,12 @@ async def test_a_sized_answer_is_read_whole_and_the_connection_is_reused(raw_ser
 
 async def test_a_chunked_stream_arrives_in_pieces(raw_server: ServerFactory) -> None:
     conns: list[_Conn] = []
-    server = await serve(
-        raw_server(
-            lambda conn, req: (
-                conns.append(conn),
-                conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + CHUNKED),
-            )
-        )
-    )
+
+    def start_stream(conn: _Conn, req: bytes) -> None:
+        conns.append(conn)
+        conn.send(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n" + CHUNKED)
+
+    server = await serve(raw_server(start_stream))
     pool = UpstreamPool()
     try:
         resp = await pool.request(server.url, "/v1/completions", [], b"{}", connect_timeout=2)
@@ -237,14 +235,12 @@ async def test_nothing_listening_is_connect_failed() -> None:
 
 async def test_a_slow_reader_pauses_the_engine_instead_of_buffering(raw_server: ServerFactory) -> None:
     conns: list[_Conn] = []
-    server = await serve(
-        raw_server(
-            lambda conn, req: (
-                conns.append(conn),
-                conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 67108864\r\n\r\n"),
-            )
-        )
-    )
+
+    def start_big_body(conn: _Conn, req: bytes) -> None:
+        conns.append(conn)
+        conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 67108864\r\n\r\n")
+
+    server = await serve(raw_server(start_big_body))
     pool = UpstreamPool()
     try:
         resp = await pool.request(server.url, "/x", [], b"", connect_timeout=2)
