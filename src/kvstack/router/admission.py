@@ -71,4 +71,3 @@ class AdmissionController:
                 waiter.set_result(None)  # the slot passes on; in_flight is unchanged
                 return
         self.in_flight -= 1
-
