@@ -1,5 +1,6 @@
 """The vLLM connector's pure parts, without vLLM or torch: config parsing, layout detection from shapes,
-chunk keys, block arithmetic, and the scheduler half's plans against a dict standing in for the store."""
+chunk keys, block arithmetic, the scheduler half's plans against a dict standing in for the store, and the
+worker's background save queue with fake gather/send phases (bytes standing in for KV blocks)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,7 @@ from kvstack.connector import (
     AttentionShape,
     ChunkPlanner,
     ConfigError,
+    SaveQueue,
     detect_layout,
     keys_by_rank,
     kv_layout,
@@ -25,7 +29,7 @@ from kvstack.connector import (
     plan_load,
     plan_save,
 )
-from kvstack.connector.plan import ChunkLoad
+from kvstack.connector.plan import ChunkLoad, ChunkSave, RequestSave
 
 BLOCK = 128
 CHUNK = 256
@@ -43,6 +47,7 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 def test_config_defaults_and_overrides() -> None:
     config = parse_config({"server": "tcp://127.0.0.1:5560"})
     assert (config.chunk_size, config.load, config.save, config.timeout_s) == (256, True, True, 1.0)
+    assert config.save_queue == 64
     config = parse_config(
         {"server": "ipc:///tmp/c", "chunk_size": 512, "load": False, "timeout_s": 2, "model_id": "m"}
     )
@@ -68,6 +73,7 @@ def test_config_defaults_and_overrides() -> None:
         ({"server": "tcp://h:1", "timeout_s": 0}, "need 0 < timeout_s <= retry_max_s"),
         ({"server": "tcp://h:1", "timeout_s": 5, "retry_max_s": 1}, "need 0 < timeout_s <= retry_max_s"),
         ({"server": "tcp://h:1", "model_id": ""}, "model_id must not be empty"),
+        ({"server": "tcp://h:1", "save_queue": 0}, "save_queue must be >= 1"),
     ],
 )
 def test_config_errors_say_what_to_fix(extra: dict[str, object], says: str) -> None:
@@ -465,6 +471,22 @@ def test_a_resumed_request_loads_into_its_new_blocks() -> None:
     assert plan.loads[0].block_ids() == [20, 21, 22, 23] and plan.saves == []
 
 
+def test_a_resumed_request_saves_again_what_the_preemption_cancelled() -> None:
+    store, prompt = FakeStore(), tokens(600)
+    p = planner(store)
+    p.match("r", prompt, 0)
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, list(range(5)), 0, 600)
+    assert len(p.take_plan().saves[0].chunks) == 2
+    p.preempted(["r"])  # its save was still queued: the workers drop it
+    assert p.take_plan().preempted == ["r"]
+    assert p.match("r", prompt, 0) == 0  # nothing reached the store
+    p.allocated("r", 0)
+    p.schedule_cached("r", [20, 21, 22, 23, 24], True, 0, 600)
+    (save,) = p.take_plan().saves
+    assert [c.block_ids for c in save.chunks] == [(20, 21), (22, 23)]
+
+
 def test_a_load_vllm_cannot_align_is_reported_as_failed_blocks() -> None:
     store, prompt = FakeStore(), tokens(600)
     store.hold(prompt, 2)
@@ -479,3 +501,255 @@ def test_a_load_vllm_cannot_align_is_reported_as_failed_blocks() -> None:
 def test_chunk_size_must_be_whole_blocks_for_the_planner() -> None:
     with pytest.raises(ValueError, match="not a multiple of block size"):
         ChunkPlanner(chunk_size=200, block_size=BLOCK, keys_for=lambda t: [], locate=lambda k: [])
+
+
+# -- blocks that asynchronous saves read (the scheduler half's side)
+
+
+def saved_once(p: ChunkPlanner, req_id: str, seed: int) -> list[int]:
+    prompt = tokens(600, seed)
+    p.match(req_id, prompt, 0)
+    p.allocated(req_id, 0)
+    p.schedule_new(req_id, prompt, list(range(5)), 0, 600)
+    return prompt
+
+
+def test_finished_keeps_the_blocks_until_every_worker_acknowledged_the_saves() -> None:
+    p = planner(FakeStore(), workers=2)
+    saved_once(p, "r", 1)
+    saved_once(p, "s", 2)
+    assert len(p.take_plan().saves) == 2
+    p.acknowledged({"s": 1})  # one of two workers
+    assert p.finished("s") is True  # vLLM keeps the blocks ...
+    assert p.take_plan().held == ["s"]  # ... and the workers learn it with the next plan
+    p.acknowledged({"r": 2, "s": 1})  # late for s: the workers report it themselves
+    assert p.finished("r") is False  # both workers done: freed at once
+    assert not p.take_plan()
+    assert p.num_tracked == 0
+
+
+def test_a_request_with_nothing_to_save_is_freed_at_once() -> None:
+    store = FakeStore()
+    stored = tokens(600, 3)
+    store.hold(stored, 2)
+    p = planner(store)
+    p.match("short", tokens(200), 0)
+    p.schedule_new("short", tokens(200), [1, 2], 0, 200)
+    assert p.match("stored", stored, 0) == 512
+    p.allocated("stored", 512)
+    p.schedule_new("stored", stored, list(range(5)), 512, 88)
+    assert p.take_plan().saves == []
+    assert p.finished("short") is False and p.finished("stored") is False
+    assert p.finished("never-seen") is False
+    assert not p.take_plan()
+
+
+def test_preempted_requests_are_listed_only_with_saves_in_flight() -> None:
+    p = planner(FakeStore())
+    saved_once(p, "r", 1)
+    saved_once(p, "s", 2)
+    p.take_plan()
+    p.acknowledged({"s": 1})
+    p.preempted({"r", "s", "other"})
+    assert p.take_plan().preempted == ["r"]
+
+
+def test_a_disabled_planner_still_tracks_the_saves_it_planned() -> None:
+    p = planner(FakeStore())
+    saved_once(p, "r", 1)
+    p.take_plan()
+    p.disable("a worker refused the layout")
+    assert p.finished("r") is True and p.take_plan().held == ["r"]
+
+
+def test_workers_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        ChunkPlanner(
+            chunk_size=CHUNK, block_size=BLOCK, keys_for=lambda t: [], locate=lambda k: [], workers=0
+        )
+
+
+# -- the worker's save queue
+
+
+def job(req_id: str, n: int = 1) -> RequestSave:
+    chunk = ChunkSave((b"k" * 32,), (1, 2, 3), (4, 5))
+    return RequestSave(req_id, None, (chunk,) * n)
+
+
+def wait_until(check: Callable[[], object], within: float = 5.0) -> None:
+    deadline = time.monotonic() + within
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+class FakeKV:
+    """Gather/send phases over fake KV: gathers can be held at a gate, sends fail on request."""
+
+    def __init__(self) -> None:
+        self.gate = threading.Event()
+        self.gate.set()
+        self.gathering = threading.Event()
+        self.send_gate = threading.Event()
+        self.send_gate.set()
+        self.sent: list[str] = []
+        self.fail: dict[str, str] = {}
+        self.exits = 0
+
+    def gather(self, save: RequestSave) -> bytes:
+        self.gathering.set()
+        assert self.gate.wait(10)
+        if self.fail.get(save.req_id) == "gather":
+            raise RuntimeError("gather broke")
+        return b"kv" * len(save.chunks)
+
+    def send(self, save: RequestSave, payload: bytes) -> bool:
+        assert self.send_gate.wait(10)
+        if self.fail.get(save.req_id) == "send":
+            raise ConnectionError("send broke")
+        self.sent.append(save.req_id)
+        return self.fail.get(save.req_id) != "refused"
+
+    def on_exit(self) -> None:
+        self.exits += 1
+
+    def queue(self, capacity: int = 8) -> SaveQueue[bytes]:
+        return SaveQueue(self.gather, self.send, capacity=capacity, on_exit=self.on_exit)
+
+    def hold_gathers(self) -> None:
+        self.gate.clear()
+        self.gathering.clear()
+
+
+def test_saves_run_in_order_in_the_background_and_are_acknowledged() -> None:
+    kv = FakeKV()
+    q = kv.queue()
+    for r in ("a", "b", "a"):
+        assert q.submit(job(r)) is True
+    wait_until(lambda: q.stats.saved == 3)
+    assert kv.sent == ["a", "b", "a"]
+    assert q.take_acks() == {"a": 2, "b": 1}
+    assert q.take_acks() == {}
+    assert q.close(5) is True and kv.exits == 1
+
+
+def test_a_full_queue_drops_the_save_instead_of_blocking() -> None:
+    kv = FakeKV()
+    q = kv.queue(capacity=2)
+    kv.hold_gathers()
+    q.submit(job("a"))
+    assert kv.gathering.wait(5)  # "a" is being gathered; two more fill the queue
+    assert q.submit(job("b")) and q.submit(job("c"))
+    started = time.monotonic()
+    assert q.submit(job("d")) is False
+    assert time.monotonic() - started < 0.5
+    assert q.stats.dropped_full == 1 and q.take_acks() == {"d": 1}  # never reads its blocks
+    kv.gate.set()
+    wait_until(lambda: q.stats.saved == 3)
+    assert kv.sent == ["a", "b", "c"]
+    q.close(5)
+
+
+def test_a_held_request_is_released_once_when_its_saves_have_read_its_blocks() -> None:
+    kv = FakeKV()
+    q = kv.queue()
+    kv.hold_gathers()
+    kv.send_gate.clear()
+    q.submit(job("r"))
+    assert kv.gathering.wait(5)
+    q.hold("r")
+    assert q.take_released() == set()
+    released: set[str] = set()
+    kv.gate.set()  # the gather is done; its send still waits, but the blocks are not needed any more
+    wait_until(lambda: released.update(q.take_released()) or released)
+    assert released == {"r"} and kv.sent == []
+    kv.send_gate.set()
+    wait_until(lambda: q.stats.saved == 1)
+    assert q.take_released() == set() and q.num_tracked == 0  # reported once
+    q.close(5)
+
+
+def test_a_held_request_without_saves_in_flight_is_released_at_once() -> None:
+    q = FakeKV().queue()
+    q.hold("done-already")
+    assert q.take_released() == {"done-already"}
+    q.close(1)
+
+
+def test_save_failures_are_counted_never_raised() -> None:
+    kv = FakeKV()
+    kv.fail = {"g": "gather", "s": "send", "x": "refused"}
+    q = kv.queue()
+    for r in ("g", "s", "x", "ok"):
+        q.submit(job(r))
+    wait_until(lambda: q.stats.saved + q.stats.failed == 4)
+    assert (q.stats.saved, q.stats.failed) == (1, 3)
+    assert q.take_acks() == {"g": 1, "s": 1, "x": 1, "ok": 1}  # a failed gather no longer reads either
+    q.hold("g")
+    assert q.take_released() == {"g"}
+    q.close(5)
+
+
+def test_skipped_saves_are_acknowledged() -> None:
+    q = FakeKV().queue()
+    q.skip(job("r"))
+    assert q.take_acks() == {"r": 1} and q.stats.skipped == 1
+    q.close(1)
+
+
+def test_preemption_drops_queued_saves_and_waits_for_a_gather_in_progress() -> None:
+    kv = FakeKV()
+    q = kv.queue()
+    kv.hold_gathers()
+    q.submit(job("p"))
+    assert kv.gathering.wait(5)
+    q.submit(job("p"))
+    q.submit(job("other"))
+    done: list[int] = []
+    canceller = threading.Thread(target=lambda: done.append(q.cancel({"p"})))
+    canceller.start()
+    canceller.join(0.2)
+    assert canceller.is_alive()  # the gather still reads p's blocks
+    kv.gate.set()
+    canceller.join(5)
+    assert done == [1] and q.stats.cancelled == 1
+    wait_until(lambda: q.stats.saved == 2)
+    assert kv.sent == ["p", "other"]  # the gather in progress completes its save
+    assert q.take_acks() == {"p": 2, "other": 1}
+    assert q.cancel(set()) == 0
+    q.close(5)
+
+
+def test_close_drains_the_queue() -> None:
+    kv = FakeKV()
+    q = kv.queue()
+    for r in "abc":
+        q.submit(job(r))
+    assert q.close(5) is True
+    assert q.stats.saved == 3 and kv.exits == 1
+    assert q.submit(job("late")) is False and q.stats.abandoned == 1
+    assert q.take_acks()["late"] == 1
+
+
+def test_close_is_bounded_and_abandons_what_it_could_not_send() -> None:
+    kv = FakeKV()
+    q = kv.queue()
+    kv.hold_gathers()
+    for r in "abc":
+        q.submit(job(r))
+    assert kv.gathering.wait(5)
+    started = time.monotonic()
+    assert q.close(0.2) is False  # "a" is stuck: the caller goes on
+    assert time.monotonic() - started < 2
+    kv.gate.set()  # past the drain bound: "a" ends, "b" and "c" are dropped
+    wait_until(lambda: kv.exits == 1)
+    assert q.stats.abandoned == 2 and q.stats.saved == 1
+    assert q.take_acks() == {"a": 1, "b": 1, "c": 1}
+
+
+def test_a_queue_never_started_closes_at_once() -> None:
+    kv = FakeKV()
+    assert kv.queue().close(1) is True and kv.exits == 1
+    with pytest.raises(ValueError, match="capacity"):
+        SaveQueue(kv.gather, kv.send, capacity=0)

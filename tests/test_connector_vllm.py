@@ -1,7 +1,9 @@
 """The vLLM connector against real vLLM (CPU) and a real cache server.
 
-Engine A computes every prompt cold and saves its chunks; it is stopped, and engine B (same model, new
-process, empty local prefix cache) must load them instead of computing them, and answer exactly as A did.
+Engine A computes every prompt cold and saves its chunks (asynchronously: the fixture waits until they are
+on the server); it is stopped, and engine B (same model, new process, empty local prefix cache) must load
+them instead of computing them, and answer as A did: one prompt at a time, six at once, a prompt sharing
+only a prefix with A's, and again after B restarts.
 
 The model: the tiny model's shape with real random weights (``initializer_range`` 0.1). vLLM's dummy
 weights (uniform in +-1e-3) make the output ignore the context: with them, another prompt's KV gives the
@@ -13,15 +15,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 import time
-import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,10 @@ def prompt(seed: int, n: int = 600) -> list[int]:
 
 MAIN, CORRUPT, DOWN, SWAPPED = prompt(1), prompt(2), prompt(3), prompt(4)
 SHORT = prompt(5, 200)
+FRESH = prompt(6)  # only ever sent to B
+CONCURRENT = [prompt(10 + i, 520 + 20 * i) for i in range(6)]  # two full chunks each
+SHARED = prompt(20, 400)  # a full chunk and part of the next
+PREFIX_X, PREFIX_Y = SHARED + prompt(21, 300), SHARED + prompt(22, 300)
 CHAT = [
     {"role": "system", "content": "You answer questions about the document."},
     {
@@ -182,18 +189,29 @@ def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
         return result
 
 
-def complete(engine: EngineProcess, tokens: list[int]) -> Answer:
-    body = {
+def complete(
+    engine: EngineProcess, tokens: list[int], *, max_tokens: int = 8, cache_salt: str | None = None
+) -> Answer:
+    """A greedy completion; a ``cache_salt`` makes the connector neither load nor save the prompt."""
+    body: dict[str, Any] = {
         "model": engine.model,
         "prompt": tokens,
-        "max_tokens": 8,
+        "max_tokens": max_tokens,
         "temperature": 0,
         "logprobs": 5,
         "return_tokens_as_token_ids": True,
     }
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     reply = _post(f"{engine.url}/v1/completions", body)
     logprobs = reply["choices"][0]["logprobs"]
     return Answer(logprobs["tokens"], logprobs["top_logprobs"], reply["usage"]["prompt_tokens"])
+
+
+def complete_at_once(engine: EngineProcess, prompts: list[list[int]]) -> list[Answer]:
+    """The prompts sent concurrently (one batch for the engine), answers in prompt order."""
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda tokens: complete(engine, tokens), prompts))
 
 
 def chat(engine: EngineProcess) -> Answer:
@@ -213,15 +231,14 @@ def chat(engine: EngineProcess) -> Answer:
 
 
 def reset_prefix_cache(engine: EngineProcess) -> None:
-    for _ in range(50):
-        try:
-            with urllib.request.urlopen(
-                urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST")
-            ):
+    """Empty the engine's local prefix cache; vLLM refuses (``success: false``) while blocks are held."""
+    for _ in range(100):
+        request = urllib.request.Request(f"{engine.url}/reset_prefix_cache", method="POST")
+        with urllib.request.urlopen(request, timeout=10) as r:
+            if json.load(r).get("success"):
                 return
-        except urllib.error.HTTPError:
-            time.sleep(0.1)  # refused while requests still hold blocks
-    raise AssertionError(f"{engine.url} did not reset its prefix cache")
+        time.sleep(0.1)
+    raise AssertionError(f"{engine.url} did not reset its prefix cache: blocks still held")
 
 
 def metric(engine: EngineProcess, name: str, **labels: str) -> float:
@@ -256,6 +273,27 @@ def keys(tokens: list[int]) -> list[ChunkKey]:
     return chunk_keys(tokens, LAYOUT, CHUNK)
 
 
+def stored(server: CacheServerProcess, tokens: list[int]) -> int:
+    """How many of the prompt's chunks, from the first, the server holds."""
+    client = server.client()
+    try:
+        return client.lookup(keys(tokens))
+    finally:
+        client.close()
+
+
+def wait_stored(server: CacheServerProcess, prompts: list[list[int]], within_s: float = 30.0) -> float:
+    """Seconds until every full chunk of ``prompts`` is on the server (saves are asynchronous)."""
+    started = time.monotonic()
+    while True:
+        missing = [i for i, tokens in enumerate(prompts) if stored(server, tokens) < len(keys(tokens))]
+        if not missing:
+            return time.monotonic() - started
+        if time.monotonic() - started > within_s:
+            raise AssertionError(f"prompts {missing} not saved within {within_s}s")
+        time.sleep(0.05)
+
+
 def stored_events(replay_endpoint: str) -> list[BlockStored]:
     """Every ``BlockStored`` the cache server published, from its replay socket."""
     ctx = zmq.Context()
@@ -286,15 +324,21 @@ def cold(
     try:
         answers: dict[str, Any] = {
             "main": complete(engine, MAIN),
+            "main-saved-s": wait_stored(cache_server, [MAIN]),
             "main-warm": complete(engine, MAIN),  # a local prefix hit: the same split as a load
             "corrupt": complete(engine, CORRUPT),
             "down": complete(engine, DOWN),
             "swapped": complete(engine, SWAPPED),
             "short": complete(engine, SHORT),
             "chat": chat(engine),
+            "concurrent": complete_at_once(engine, CONCURRENT),
+            "prefix-x": complete(engine, PREFIX_X),
+            # Cold, and not saved: with a cache salt the connector leaves the prompt alone.
+            "prefix-y": complete(engine, PREFIX_Y, cache_salt="cold"),
             "external_hits": external_hits(engine),
             "log": engine.log_path,
         }
+        wait_stored(cache_server, [MAIN, CORRUPT, DOWN, SWAPPED, *CONCURRENT, PREFIX_X])
     finally:
         engine.stop()
     return answers
@@ -307,7 +351,11 @@ def engine_b(
     cold: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineProcess]:
+    """Engine B; ``test_the_cache_survives_an_engine_restart`` restarts it in place."""
     engine = start_engine(model_dir, tmp_path_factory.mktemp("vllm-b"), cache_server.endpoint)
+    engine.extra["restart"] = lambda: start_engine(
+        model_dir, tmp_path_factory.mktemp("vllm-b-restarted"), cache_server.endpoint
+    )
     yield engine
     engine.stop()
 
@@ -442,6 +490,157 @@ ADAPTER_SCRIPT = textwrap.dedent(
 )
 
 
+CONTRACT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from types import SimpleNamespace as NS
+    import torch
+    import vllm.distributed.parallel_state as parallel_state
+    from vllm.config.kv_transfer import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
+    from kvstack.cache.client import CacheClient
+    from kvstack.cache.keys import chunk_keys
+    from kvstack.connector import AttentionShape, kv_layout
+    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackWorkerReport
+
+    parallel_state.get_tensor_model_parallel_rank = lambda: 0  # no process group in this script
+    LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
+    FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+    def connector(role):
+        transfer = KVTransferConfig(
+            kv_connector="KVStackConnector",
+            kv_connector_module_path="kvstack.connector.vllm_v1",
+            kv_role="kv_both",
+            kv_load_failure_policy="recompute",
+            kv_connector_extra_config={"server": sys.argv[1], "model_id": "contract", "timeout_s": 2.0},
+        )
+        vllm_config = NS(
+            kv_transfer_config=transfer,
+            cache_config=NS(block_size=128),
+            model_config=NS(model="/models/x"),
+            parallel_config=NS(
+                tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1
+            ),
+        )
+        return KVStackConnector(vllm_config, role, NS(kv_cache_groups=[KVCacheGroupSpec(LAYERS, FULL)]))
+
+    scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
+    torch.manual_seed(0)
+    kv = {name: torch.randn(16, 2, 128, 128).to(torch.bfloat16) for name in LAYERS}
+    worker.register_kv_caches(kv)
+    shape = AttentionShape(2, 2, 64, "bfloat16", 128)
+    layout = kv_layout("contract", shape, platform="cpu", tp_rank=0, tp_size=1)
+    sent, acked, vllm_finished = [], {}, set()
+
+    def request(rid, seed):
+        tokens = [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(600)]
+        return NS(request_id=rid, prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None)
+
+    def apply(report):
+        if report is not None:
+            for rid, n in report.saved.items():
+                acked[rid] = acked.get(rid, 0) + n
+            scheduler.update_connector_output(NS(kv_connector_worker_meta=report))
+
+    def step(new=(), finished=(), preempted=(), report_back=True):
+        # One engine step in vLLM's order: the scheduler half plans, the worker runs, the report returns.
+        for r, _ in new:
+            assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+            scheduler.update_state_after_alloc(r, None, 0)
+        out = NS(
+            scheduled_new_reqs=[
+                NS(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=(b,),
+                   num_computed_tokens=0)
+                for r, b in new
+            ],
+            scheduled_cached_reqs=NS(
+                req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+            ),
+            num_scheduled_tokens={r.request_id: 600 for r, _ in new},
+            preempted_req_ids=set(preempted),
+            finished_req_ids=set(finished),
+        )
+        vllm_finished.update(finished)
+        meta = scheduler.build_connector_meta(out)
+        worker.handle_preemptions(meta)
+        worker.bind_connector_metadata(meta)
+        worker.start_load_kv(None)
+        worker.wait_for_save()
+        sending, recving = worker.get_finished(out.finished_req_ids)
+        report = worker.build_connector_worker_meta()
+        worker.clear_connector_metadata()
+        assert recving is None and set(sending or ()) <= vllm_finished, (sending, vllm_finished)
+        sent.extend(sorted(sending or ()))
+        if report_back:
+            apply(report)
+        return meta.plan, report
+
+    def idle_until(done, within=10.0):
+        deadline = time.monotonic() + within
+        while not done():
+            assert time.monotonic() < deadline, (sent, acked)
+            step()
+            time.sleep(0.01)
+        for _ in range(3):
+            step()
+
+    r1, r2, r3 = request("r1", 1), request("r2", 2), request("r3", 3)
+
+    # r1 finishes in the step that computed it: its save may still read its blocks, so vLLM keeps them
+    # (request_finished runs before the step's report is applied) until the worker reports it, once.
+    plan, report = step(new=[(r1, [0, 1, 2, 3, 4])], report_back=False)
+    assert len(plan.saves) == 1 and sent == []
+    assert scheduler.request_finished(r1, [0, 1, 2, 3, 4]) == (True, None)
+    apply(report)
+    plan, _ = step(finished={"r1"})
+    assert plan.held == ["r1"], plan
+    idle_until(lambda: "r1" in sent)
+    assert sent == ["r1"], sent
+
+    # Its chunks reach the server, bit for bit the blocks (gathered straight into arena regions).
+    with CacheClient(sys.argv[1]) as client:
+        k = chunk_keys(r1.prompt_token_ids, layout, 256)
+        deadline = time.monotonic() + 10
+        while client.lookup(k) < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        with client.get(k) as got:
+            for c, payload in enumerate(got):
+                want = torch.stack([kv[name][[2 * c, 2 * c + 1]] for name in LAYERS])
+                assert bytes(payload) == want.view(-1).view(torch.uint8).numpy().tobytes()
+
+    # r2's save is acknowledged before it finishes: its blocks are freed at once, and never reported.
+    step(new=[(r2, [5, 6, 7, 8, 9])])
+    idle_until(lambda: acked.get("r2") == 1)
+    assert scheduler.request_finished(r2, [5, 6, 7, 8, 9]) == (False, None)
+    plan, _ = step(finished={"r2"})
+    idle_until(lambda: True)
+    assert plan.held == [] and sent == ["r1"], sent
+
+    # r3 is preempted with its save in flight: the worker stops reading its blocks before the next
+    # forward pass (dropped if still queued); it is acknowledged either way, then finishes freely.
+    _, report = step(new=[(r3, [10, 11, 12, 13, 14])], report_back=False)
+    plan, _ = step(preempted={"r3"})
+    assert plan.preempted == ["r3"], plan
+    apply(report)
+    idle_until(lambda: acked.get("r3") == 1)
+    assert scheduler.request_finished(r3, [10, 11, 12, 13, 14]) == (False, None)
+
+    # Reports from several workers add up.
+    a, b = KVStackWorkerReport(None, {"x": 1}), KVStackWorkerReport("off", {"x": 1, "y": 2})
+    assert a.aggregate(b) == KVStackWorkerReport("off", {"x": 2, "y": 2})
+
+    started = time.monotonic()
+    worker.shutdown()
+    scheduler.shutdown()
+    assert time.monotonic() - started < 6
+    print("OK")
+    """
+)
+
+
 def test_block_mover_round_trips_blocks_bit_for_bit(cache_server: CacheServerProcess) -> None:
     """The worker's copies with torch (in the vLLM environment), through shared memory and the socket."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
@@ -460,6 +659,20 @@ def test_connector_faults_never_reach_vllm(cache_server: CacheServerProcess) -> 
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     run = subprocess.run(
         [str(vllm_python()), "-c", ADAPTER_SCRIPT, cache_server.endpoint],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+def test_the_halves_follow_vllms_contract_for_asynchronous_saves(cache_server: CacheServerProcess) -> None:
+    """Both halves built by hand (real torch KV, real server), stepped in vLLM's order: request_finished
+    holds blocks only while a save may read them, get_finished reports each held request once, a
+    preemption stops reads, the saved chunks are the blocks bit for bit."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    run = subprocess.run(
+        [str(vllm_python()), "-c", CONTRACT_SCRIPT, cache_server.endpoint],
         env=env,
         capture_output=True,
         text=True,
@@ -492,6 +705,8 @@ def test_engine_a_saves_full_prompt_chunks_under_keys_anyone_can_compute(
         assert second.parent_block_hash == block_hash(main[0])
     log = cold["log"].read_text(errors="replace")
     assert "kvstack connector: 2 KV cache layers, each (64, 2, 128, 128) torch.bfloat16" in log
+    # vLLM shut the connector down: every queued save was sent (none dropped, failed or abandoned).
+    assert re.search(r"saves: SaveStats\(queued=(\d+), saved=\1, failed=0, dropped_full=0", log), log[-3000:]
     assert "kvstack connector: layout [blocks,kv_heads,block,2*head]" in log
 
 
@@ -514,6 +729,46 @@ def test_engine_b_loads_the_prompt_instead_of_computing_it(
     )
     assert_close(answer, cold["main"])
     assert answer == cold["main-warm"]  # the same split as A's local prefix hit: identical to the last bit
+
+
+def test_concurrent_requests_each_load_their_own_chunks(
+    engine_b: EngineProcess, cold: dict[str, Any]
+) -> None:
+    before = external_hits(engine_b)
+    answers = complete_at_once(engine_b, CONCURRENT)
+    assert external_hits(engine_b) - before == len(CONCURRENT) * 2 * CHUNK
+    for answer, want in zip(answers, cold["concurrent"], strict=True):
+        assert_close(answer, want)
+
+
+def test_a_shared_prefix_loads_only_its_full_chunks(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    """A computed P+X; B gets P+Y: chunk 0 is all P (loaded), chunk 1 mixes P and X (computed)."""
+    assert stored(cache_server, PREFIX_X) == 2
+    assert stored(cache_server, PREFIX_Y) == 1  # A's salted P+Y saved nothing
+    before = external_hits(engine_b)
+    answer = complete(engine_b, PREFIX_Y)
+    assert external_hits(engine_b) - before == CHUNK
+    assert_close(answer, cold["prefix-y"])
+
+
+def test_saves_reach_the_server_while_the_engine_runs(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    """Saves are asynchronous: the chunks of an answered prompt appear on the server shortly after, with
+    the engine still running (A's first prompt did too, before A stopped).
+
+    One output token: the request finishes in the step that computed its chunks, before the workers can
+    acknowledge the save, so vLLM keeps its blocks until the worker reports it (finished_sending). The
+    prefix cache can be reset only when no request holds blocks: the held blocks were freed."""
+    assert cold["main-saved-s"] < 30
+    assert stored(cache_server, FRESH) == 0
+    complete(engine_b, FRESH, max_tokens=1)
+    assert wait_stored(cache_server, [FRESH], within_s=20) < 20
+    reset_prefix_cache(engine_b)
+    log = engine_b.log_path.read_text(errors="replace")
+    assert "not saved" not in log and "Traceback" not in log
 
 
 def test_a_chat_prompt_is_loaded_too(engine_b: EngineProcess, cold: dict[str, Any]) -> None:
@@ -567,6 +822,24 @@ def test_wrong_kv_changes_the_answer(
     answer = complete(engine_b, SWAPPED)
     assert external_hits(engine_b) - before == 512
     assert answer.tokens != cold["swapped"].tokens
+
+
+def test_the_cache_survives_an_engine_restart(
+    engine_b: EngineProcess, cold: dict[str, Any], cache_server: CacheServerProcess
+) -> None:
+    """B is stopped (its process group, by PID) and started again: the new process, with an empty local
+    prefix cache, loads A's chunks from the server."""
+    old_pid = engine_b.proc.pid
+    engine_b.stop()
+    assert engine_b.proc.poll() is not None
+    restarted = engine_b.extra["restart"]()
+    # In place: the module's later tests use the restarted engine (and the fixture stops it).
+    vars(engine_b).update({k: v for k, v in vars(restarted).items() if k != "extra"})
+    assert engine_b.proc.pid != old_pid
+    assert external_hits(engine_b) == 0
+    answer = complete(engine_b, MAIN)
+    assert external_hits(engine_b) == 2 * CHUNK
+    assert answer == cold["main-warm"]
 
 
 def test_without_the_cache_server_the_engine_still_answers(

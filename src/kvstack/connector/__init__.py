@@ -13,16 +13,21 @@ here); this package's import pulls in neither torch nor vLLM::
 - config: the ``kv_connector_extra_config`` keys and defaults (`parse_config`).
 - layout: which KV cache tensor layouts work (vLLM's CPU backend), and the chunk-key namespace.
 - plan / planner: the scheduler half's decisions, no vLLM types (`ChunkPlanner`, `StepPlan`).
+- saves: the worker's background save thread, bounded, and the bookkeeping that keeps a save's blocks
+  allocated until it has read them (`SaveQueue`; no torch).
 - worker: whole-block copies between vLLM's KV cache and chunk payloads (`BlockMover`; torch).
 - vllm_v1: `KVStackConnector`, the adapter between vLLM's calls and the pieces above.
 
-Loads and saves are synchronous in this version (the load before the forward pass, the save after it).
+Loads are synchronous (before the forward pass reads them); saves are asynchronous (a background thread
+per worker, after the forward pass). ``"kv_load_failure_policy": "recompute"`` makes vLLM recompute
+whatever fails to load; without it (vLLM's default "fail") such a request fails.
 """
 
 from kvstack.connector.config import ConfigError, ConnectorConfig, parse_config
 from kvstack.connector.layout import AttentionShape, LayoutVerdict, detect_layout, kv_layout
 from kvstack.connector.plan import StepPlan, loadable_end, plan_load, plan_save
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
+from kvstack.connector.saves import SaveQueue, SaveStats
 
 __all__ = [
     "AttentionShape",
@@ -30,6 +35,8 @@ __all__ = [
     "ConfigError",
     "ConnectorConfig",
     "LayoutVerdict",
+    "SaveQueue",
+    "SaveStats",
     "StepPlan",
     "detect_layout",
     "keys_by_rank",

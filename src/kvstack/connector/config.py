@@ -15,11 +15,19 @@ model_id           model path   the model's name in chunk keys: set it when engi
                                 weights from different paths, so that they share chunks
 secret_file        none         file with the server's shared secret (see ``kvstack cache-server``)
 shm                true         payloads through shared memory when the server is on the same host
-arena_mb           128          that shared memory, per worker (the scheduler's client only looks up)
+arena_mb           128          that shared memory, per client: a worker has two (loads, and saves on
+                                their background thread); the scheduler's client only looks up
+save_queue         64           save jobs (a request's new chunks of one step) waiting for the worker's
+                                save thread; a step's save that finds it full is dropped and counted
 =================  ===========  =====================================================================
 
 Unknown keys are an error (a misspelt ``"laod": false`` must not silently keep loading). vLLM's
 ``kv_role`` narrows the switches: "kv_producer" only saves, "kv_consumer" only loads, "kv_both" does both.
+
+Set vLLM's ``"kv_load_failure_policy": "recompute"`` next to ``kv_role`` in ``--kv-transfer-config``
+(not in ``kv_connector_extra_config``): a chunk that fails to load (lost, corrupt, the server down) is then
+recomputed and the answer is the same as without the connector; under vLLM's default, "fail", the
+request fails.
 
 ``model_id`` must name the weights, not just the architecture: two engines with the same ``model_id``
 and layout load each other's chunks, so different weights under one name would serve wrong KV silently.
@@ -51,6 +59,7 @@ class ConnectorConfig:
     secret_file: str | None = None
     shm: bool = True
     arena_mb: int = 128
+    save_queue: int = 64
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks hold whole blocks: the connector moves blocks, never parts of one."""
@@ -84,6 +93,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "secret_file": (str,),
     "shm": (bool,),
     "arena_mb": (int,),
+    "save_queue": (int,),
 }
 
 
@@ -118,6 +128,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         )
     if config.arena_mb < 1:
         raise ConfigError(f"kvstack connector: arena_mb must be >= 1, got {config.arena_mb}")
+    if config.save_queue < 1:
+        raise ConfigError(f"kvstack connector: save_queue must be >= 1, got {config.save_queue}")
     if config.model_id is not None and not config.model_id:
         raise ConfigError("kvstack connector: model_id must not be empty")
     return config

@@ -11,6 +11,9 @@ the request's blocks ``block_ids[c * bpc : (c + 1) * bpc]``. Only full chunks of
   prompt's last token (`loadable_end`): vLLM must compute at least that token to sample from it.
 - A chunk is saved by the engine that computes it, once all its tokens are computed; chunks the store
   already held at lookup, and chunks that were a local prefix hit, are not saved again.
+- Saves run after the step, in the background (``kvstack.connector.saves``): a finished request whose
+  saves may still read its blocks is ``held`` (vLLM frees its blocks when the workers report it), and a
+  preempted one is listed so that the workers stop reading its blocks before vLLM reuses them.
 """
 
 from __future__ import annotations
@@ -72,15 +75,20 @@ class RequestSave:
 
 @dataclass(slots=True)
 class StepPlan:
-    """Everything the workers move in one step: loads before the forward pass, saves after it."""
+    """Everything the workers do in one step: loads before the forward pass, saves queued after it, and
+    what the scheduler half told vLLM about blocks that saves may still read."""
 
     loads: list[RequestLoad] = field(default_factory=list)
     saves: list[RequestSave] = field(default_factory=list)
     failed_block_ids: list[int] = field(default_factory=list)
     """Blocks vLLM expects loaded that no load can fill (reported back as load errors, so recomputed)."""
+    held: list[str] = field(default_factory=list)
+    """Finished requests whose blocks vLLM keeps until the workers report their saves done."""
+    preempted: list[str] = field(default_factory=list)
+    """Requests with saves in flight whose blocks vLLM freed (preemption): stop reading them now."""
 
     def __bool__(self) -> bool:
-        return bool(self.loads or self.saves or self.failed_block_ids)
+        return bool(self.loads or self.saves or self.failed_block_ids or self.held or self.preempted)
 
 
 def loadable_end(num_prompt_tokens: int, stored_end: int, block_size: int) -> int:

@@ -3,14 +3,20 @@ each step's `StepPlan` (see ``kvstack.connector.plan`` for the rules).
 
 `ChunkPlanner` follows vLLM's calls one for one: ``match`` (get_num_new_matched_tokens: a lookup, no
 other effect than remembering its answer), ``allocated`` (update_state_after_alloc), ``schedule_new`` /
-``schedule_cached`` and ``take_plan`` (build_connector_meta), ``finished`` (request_finished). The lookup
-and the key function are passed in, so tests drive it with a dict for a store.
+``schedule_cached`` / ``preempted`` and ``take_plan`` (build_connector_meta), ``acknowledged``
+(update_connector_output: save jobs the workers are done reading), ``finished`` (request_finished). The
+lookup and the key function are passed in, so tests drive it with a dict for a store.
+
+Saves are asynchronous: each planned save job must be acknowledged by every worker before a request's
+blocks may be freed. ``finished`` answers whether vLLM must keep them (some job not acknowledged yet);
+if so, the request goes into the next plan's ``held``, and the workers report it to vLLM once their jobs
+are done. Acknowledgements that arrive late are ignored: the workers handle a held request themselves.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys
@@ -77,12 +83,16 @@ class ChunkPlanner:
     locate: Locate
     load: bool = True
     save: bool = True
+    workers: int = 1
+    """Worker processes that acknowledge each save job (one per tensor-parallel rank)."""
     log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
     disabled: str | None = None
     """Why the connector is off (then nothing is looked up, loaded or saved)."""
     _matches: dict[str, _Match] = field(default_factory=dict)
     _requests: dict[str, _Tracked] = field(default_factory=dict)
     _ignored: set[str] = field(default_factory=set)
+    _unacked: dict[str, int] = field(default_factory=dict)
+    """Save jobs times workers not acknowledged yet, per request (entries end in ``finished``)."""
     _plan: StepPlan = field(default_factory=StepPlan)
 
     def __post_init__(self) -> None:
@@ -90,9 +100,12 @@ class ChunkPlanner:
             raise ValueError(
                 f"chunk_size {self.chunk_size} is not a multiple of block size {self.block_size}"
             )
+        if self.workers < 1:
+            raise ValueError(f"workers must be >= 1, got {self.workers}")
 
     def disable(self, reason: str) -> None:
-        """Stop looking up, loading and saving (e.g. the workers refused the KV cache layout)."""
+        """Stop looking up, loading and saving (e.g. the workers refused the KV cache layout). Saves
+        already planned are still tracked until acknowledged."""
         self.disabled = reason
         self._matches.clear()
         self._requests.clear()
@@ -183,25 +196,53 @@ class ChunkPlanner:
         if resumed:
             tracked.block_ids = list(new_block_ids or ())
             match = self._matches.pop(req_id, None)
-            if match is not None and match.external > 0:
-                self._plan_load(req_id, tracked, num_computed_tokens - match.external, num_computed_tokens)
+            if match is not None:
+                # Saves cancelled at the preemption are planned again; stored chunks are not.
+                tracked.next_save = match.first_chunk + len(match.tiers)
+                if match.external > 0:
+                    self._plan_load(
+                        req_id, tracked, num_computed_tokens - match.external, num_computed_tokens
+                    )
         elif new_block_ids:
             tracked.block_ids += new_block_ids
         self._plan_save(req_id, tracked, num_computed_tokens + num_scheduled_tokens)
+
+    def preempted(self, req_ids: Iterable[str]) -> None:
+        """vLLM freed these requests' blocks without finishing them: workers must stop reading them."""
+        self._plan.preempted += [r for r in req_ids if r in self._unacked]
 
     def take_plan(self) -> StepPlan:
         """This step's plan; the next step starts a new one."""
         plan, self._plan = self._plan, StepPlan()
         return plan
 
-    def finished(self, req_id: str) -> None:
+    # -- update_connector_output / request_finished
+
+    def acknowledged(self, acks: Mapping[str, int]) -> None:
+        """Save jobs (summed over workers) that no longer read their request's blocks."""
+        for req_id, n in acks.items():
+            left = self._unacked.get(req_id)
+            if left is None:
+                continue  # finished already: held, and the workers report it
+            if left > n:
+                self._unacked[req_id] = left - n
+            else:
+                del self._unacked[req_id]
+
+    def finished(self, req_id: str) -> bool:
+        """Forget the request; True when vLLM must keep its blocks (saves in flight) until the workers
+        report it (it is in the next plan's ``held``)."""
         self._matches.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._ignored.discard(req_id)
+        if self._unacked.pop(req_id, None) is None:
+            return False
+        self._plan.held.append(req_id)
+        return True
 
     @property
     def num_tracked(self) -> int:
-        return len(self._requests) + len(self._matches) + len(self._ignored)
+        return len(self._requests) + len(self._matches) + len(self._ignored) + len(self._unacked)
 
     # -- planning
 
@@ -243,4 +284,5 @@ class ChunkPlanner:
             block_ids=tracked.block_ids,
         )
         tracked.next_save = end_chunk
+        self._unacked[req_id] = self._unacked.get(req_id, 0) + self.workers
         self._plan.saves.append(RequestSave(req_id, tracked.keys[first - 1] if first else None, chunks))

@@ -6,15 +6,30 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KVStackConnector", "kv_co
 
 vLLM builds it twice. The scheduler half answers ``get_num_new_matched_tokens`` with one lookup on the
 cache server and plans each step's loads and saves (``kvstack.connector.planner``); the worker half copies
-chunks into the allocated blocks in ``start_load_kv`` (synchronous, before the forward pass) and saves the
-newly computed full chunks in ``wait_for_save`` (synchronous, after it). ``wait_for_layer_load`` and
-``save_kv_layer`` do nothing: the whole step's KV is moved at once.
+chunks into the allocated blocks in ``start_load_kv`` (synchronous, before the forward pass) and, in
+``wait_for_save``, hands the step's newly computed full chunks to a background thread that saves them
+(``kvstack.connector.saves``; a full queue drops the save, the forward pass never waits).
+``wait_for_layer_load`` and ``save_kv_layer`` do nothing: the whole step's KV is moved at once.
+
+Blocks a save reads stay allocated until it has read them (vLLM 0.32's contract):
+
+- the workers acknowledge each save job once done reading, through their worker metadata;
+- ``request_finished`` returns ``(False, None)`` when every save job of the request is acknowledged (or
+  it had none), else ``(True, None)``: vLLM keeps the blocks, the next plan lists the request as held, and
+  the workers report it in ``get_finished`` (``finished_sending``) once, when its jobs are done; vLLM
+  passes it in that step's ``finished_req_ids`` too, as the contract requires;
+- preemption frees blocks without ``request_finished``: the next plan lists preempted requests with jobs
+  in flight, and ``handle_preemptions`` (before the forward pass) drops their queued jobs and waits for
+  a gather in progress. An abort is an ordinary ``request_finished``.
 
 Faults never reach vLLM as exceptions: a lookup that fails is a miss, a load that fails reports its blocks
-in ``get_block_ids_with_load_errors`` (vLLM recomputes them under ``kv_load_failure_policy: "recompute"``;
-under the default "fail" it fails the request), a save that fails is dropped. A KV cache layout or model
-the connector cannot handle turns it off (logged once, and the worker tells the scheduler half through
-its worker metadata); the engine then runs as if it had no connector.
+in ``get_block_ids_with_load_errors``, a save that fails is dropped and counted. Set
+``"kv_load_failure_policy": "recompute"`` in ``--kv-transfer-config``: vLLM then recomputes the blocks of a
+failed load (a lost, corrupt or wrong-sized chunk) and the request is answered as if nothing had been
+loaded; under vLLM's default, "fail", such a request fails (a warning at start-up says so). A KV cache
+layout or model the connector cannot handle turns it off (logged once, and the worker tells the scheduler
+half through its worker metadata); the engine then runs as if it had no connector. ``shutdown`` sends
+what is queued for up to 5 s and drops the rest.
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -40,9 +55,10 @@ from kvstack.cache.keys import ChunkKey
 from kvstack.cache.protocol import ThrottledLog
 from kvstack.connector.config import ConnectorConfig, parse_config
 from kvstack.connector.layout import AttentionShape, detect_layout, kv_layout
-from kvstack.connector.plan import StepPlan
+from kvstack.connector.plan import RequestSave, StepPlan
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
-from kvstack.connector.worker import BlockMover
+from kvstack.connector.saves import SaveQueue
+from kvstack.connector.worker import BlockMover, Payloads
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,6 +76,7 @@ __all__ = ["KVStackConnector", "KVStackConnectorMetadata", "KVStackWorkerReport"
 log = logging.getLogger("vllm.kvstack.connector")
 
 _TIER_SOURCES = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_DRAIN_S = 5.0  # shutdown: how long queued saves may still be sent
 
 
 @dataclass
@@ -71,12 +88,20 @@ class KVStackConnectorMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVStackWorkerReport(KVConnectorWorkerMetadata):
-    """Workers -> scheduler half: a worker turned the connector off (sent once)."""
+    """Workers -> scheduler half, after a step: a worker turned the connector off (sent once), and save
+    jobs done reading their blocks since the last report."""
 
     disabled: str | None = None
+    saved: dict[str, int] = field(default_factory=dict)
+    """Save jobs per request, summed over the workers."""
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        return self if self.disabled is not None or not isinstance(other, KVStackWorkerReport) else other
+        if not isinstance(other, KVStackWorkerReport):
+            return self
+        saved = dict(self.saved)
+        for req_id, n in other.saved.items():
+            saved[req_id] = saved.get(req_id, 0) + n
+        return KVStackWorkerReport(self.disabled or other.disabled, saved)
 
 
 def attention_shape(kv_cache_config: KVCacheConfig | None) -> tuple[AttentionShape | None, str | None]:
@@ -148,6 +173,14 @@ class KVStackConnector(KVConnectorBase_V1):
         self._planner: ChunkPlanner | None = None
         # worker half
         self._mover: BlockMover | None = None
+        self._saves: SaveQueue[Payloads] = SaveQueue(
+            self._gather,
+            self._send,
+            capacity=self._config.save_queue,
+            on_exit=self._close_save_client,
+            log=log,
+            name=f"kvstack-saves:{self._engine}",
+        )
         self._failed: set[int] = set()
         self._reported = False
         if self._disabled is not None:
@@ -179,6 +212,7 @@ class KVStackConnector(KVConnectorBase_V1):
             locate=self._locate,
             load=config.load and transfer.is_kv_consumer,
             save=config.save and transfer.is_kv_producer,
+            workers=self._tp_size,
             log=log,
         )
         if self._disabled is not None:
@@ -251,6 +285,7 @@ class KVStackConnector(KVConnectorBase_V1):
         assert planner is not None
         scheduled = scheduler_output.num_scheduled_tokens
         try:
+            planner.preempted(scheduler_output.preempted_req_ids or ())
             for new in scheduler_output.scheduled_new_reqs:
                 if new.prompt_token_ids is not None:
                     planner.schedule_new(
@@ -277,16 +312,16 @@ class KVStackConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         planner = self._planner
-        if not isinstance(report, KVStackWorkerReport) or not report.disabled:
+        if not isinstance(report, KVStackWorkerReport) or planner is None:
             return
-        if planner is not None and planner.disabled is None:
+        planner.acknowledged(report.saved)
+        if report.disabled and planner.disabled is None:
             log.warning("kvstack connector: off, a worker reports: %s", report.disabled)
             planner.disable(report.disabled)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._planner is not None
-        self._planner.finished(request.request_id)
-        return False, None
+        return self._planner.finished(request.request_id), None
 
     # ==============================
     # Worker half
@@ -324,11 +359,13 @@ class KVStackConnector(KVConnectorBase_V1):
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
+        shm = self._config.shm
         self._mover = BlockMover(
             layers,
             blocks_per_chunk=self._config.chunk_size // self._block_size,
             rank=rank,
-            client=self._new_client(shm=self._config.shm, name=f"vllm-worker{rank}:{self._engine}"),
+            client=self._new_client(shm=shm, name=f"vllm-worker{rank}:{self._engine}"),
+            save_client=self._new_client(shm=shm, name=f"vllm-worker{rank}-saves:{self._engine}"),
         )
         log.info(
             "kvstack connector: layout %s, %d bytes per chunk, rank %d of %d",
@@ -380,30 +417,59 @@ class KVStackConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         plan = self._plan()
-        if plan is None or self._mover is None:
+        if plan is None:
             return
-        for save in plan.saves:
-            try:
-                saved = self._mover.save(save)
-            except Exception as e:
-                saved = False
-                log.exception("kvstack connector: saving %s failed: %r", save.req_id, e)
-            if not saved:
-                self._warn.warning(
-                    "kvstack connector: request %s: %d chunks not saved", save.req_id, len(save.chunks)
-                )
+        for save in plan.saves:  # the step's forward pass has written these blocks
+            if self._mover is None:
+                self._saves.skip(save)
+            else:
+                self._saves.submit(save)
+
+    def _gather(self, save: RequestSave) -> Payloads:
+        assert self._mover is not None  # saves are queued only with a mover
+        return self._mover.gather(save)
+
+    def _send(self, save: RequestSave, payloads: Payloads) -> bool:
+        assert self._mover is not None
+        return self._mover.send(save, payloads)
+
+    def _close_save_client(self) -> None:
+        """On the save thread, its only user, when the thread ends."""
+        if self._mover is not None and self._mover.save_client is not self._mover.client:
+            self._mover.save_client.close()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        if (
+            isinstance(kv_connector_metadata, KVStackConnectorMetadata)
+            and kv_connector_metadata.plan.preempted
+        ):
+            self._saves.cancel(set(kv_connector_metadata.plan.preempted))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        plan = self._plan()
+        for req_id in plan.held if plan is not None else ():
+            self._saves.hold(req_id)
+        return self._saves.take_released() or None, None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        if self._disabled is None or self._reported or self._role != KVConnectorRole.WORKER:
+        if self._role != KVConnectorRole.WORKER:
             return None
-        self._reported = True
-        return KVStackWorkerReport(self._disabled)
+        disabled = self._disabled if not self._reported else None
+        self._reported = self._disabled is not None
+        saved = self._saves.take_acks()
+        if disabled is None and not saved:
+            return None
+        return KVStackWorkerReport(disabled, saved)
 
     def shutdown(self) -> None:
+        if self._role == KVConnectorRole.WORKER:
+            if not self._saves.close(_DRAIN_S):
+                log.warning("kvstack connector: saves still running after %.0f s; abandoned", _DRAIN_S)
+            log.info("kvstack connector: saves: %s", self._saves.stats)
         client = self._mover.client if self._mover is not None else self._client
         if client is not None:
             client.close()

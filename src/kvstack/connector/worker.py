@@ -2,9 +2,11 @@
 
 A chunk's payload is the raw bytes of a ``[layers, blocks_per_chunk, *block]`` tensor (one per chunk,
 every layer in it, so the store's chunk is the router's block); its size is checked on load, its meaning
-is pinned by the key namespace (see ``kvstack.connector.layout``). Loads and saves are synchronous: a load
-is copied in before the forward pass reads it, a save is sent before the step ends (the blocks are still
-the request's then).
+is pinned by the key namespace (see ``kvstack.connector.layout``). A load is synchronous: copied in before
+the forward pass reads it. A save has two phases, run by the background thread of
+``kvstack.connector.saves``: ``gather`` copies the blocks (the only phase that reads them) straight into
+arena regions reserved from the save client, ``send`` puts those regions (offsets, no further copy).
+Loads and saves use two clients: a `CacheClient` is not thread-safe.
 
 `BlockMover` never raises for a cache fault: a lost or malformed chunk is a failed load (its blocks and
 every later block of the request are returned as failed, so vLLM recomputes them; a chunk of the wrong
@@ -24,15 +26,24 @@ import torch
 from kvstack.cache.client import CacheClient
 from kvstack.connector.plan import ChunkLoad, RequestLoad, RequestSave
 
+Payloads = list[memoryview]
+
 __all__ = ["BlockMover"]
 
 
 class BlockMover:
-    """Copies chunks between a `CacheClient` and the KV blocks of ``layers`` (``[num_blocks, *block]``
-    each, in the key namespace's layer order), as tensor-parallel rank ``rank``."""
+    """Copies chunks between the cache server and the KV blocks of ``layers`` (``[num_blocks, *block]``
+    each, in the key namespace's layer order), as tensor-parallel rank ``rank``: loads through
+    ``client``, saves through ``save_client`` (the same one unless saves run on another thread)."""
 
     def __init__(
-        self, layers: Sequence[torch.Tensor], *, blocks_per_chunk: int, rank: int, client: CacheClient
+        self,
+        layers: Sequence[torch.Tensor],
+        *,
+        blocks_per_chunk: int,
+        rank: int,
+        client: CacheClient,
+        save_client: CacheClient | None = None,
     ) -> None:
         if not layers:
             raise ValueError("no KV cache layers to move")
@@ -42,6 +53,7 @@ class BlockMover:
         self.chunk_bytes = math.prod(self.chunk_shape) * layers[0].element_size()
         self._rank = rank
         self.client = client
+        self.save_client = save_client or client
 
     def load(self, load: RequestLoad) -> tuple[int, list[int]]:
         """Copies the chunks of ``load`` into their blocks: (chunks loaded, blocks that failed)."""
@@ -61,10 +73,27 @@ class BlockMover:
         return len(load.chunks), []
 
     def save(self, save: RequestSave) -> bool:
-        """Sends the chunks of ``save``; token ids go with rank 0's only (one admit event per chunk)."""
+        """Both phases at once (a synchronous save)."""
+        return self.send(save, self.gather(save))
+
+    def gather(self, save: RequestSave) -> Payloads:
+        """The chunks' blocks, copied once: into reserved arena regions when the save client has room,
+        else into new buffers. The only phase that reads the KV cache."""
+        reserved = self.save_client.reserve([self.chunk_bytes] * len(save.chunks))
+        if reserved is None:
+            return [self._gather_new(chunk.block_ids) for chunk in save.chunks]
+        try:
+            for view, chunk in zip(reserved, save.chunks, strict=True):
+                self._gather_into(view, chunk.block_ids)
+        except BaseException:
+            reserved.release()
+            raise
+        return list(reserved)  # the views themselves: the put sends their offsets
+
+    def send(self, save: RequestSave, payloads: Payloads) -> bool:
+        """Puts the gathered chunks; token ids go with rank 0's only (one admit event per chunk)."""
         rank = self._rank
-        payloads = [self._gather(chunk.block_ids) for chunk in save.chunks]
-        return self.client.put(
+        return self.save_client.put(
             [chunk.keys[rank] for chunk in save.chunks],
             payloads,
             token_ids=[chunk.token_ids for chunk in save.chunks] if rank == 0 else None,
@@ -82,9 +111,17 @@ class BlockMover:
         for layer, cache in enumerate(self._layers):
             cache.index_copy_(0, index, source[layer, blocks])
 
-    def _gather(self, block_ids: Sequence[int]) -> memoryview:
+    def _gather_into(self, region: memoryview, block_ids: Sequence[int]) -> None:
+        # The tensor over the region dies here: the put can then release the view (no export left).
+        out = torch.frombuffer(region, dtype=torch.uint8).view(self._dtype).view(self.chunk_shape)
+        self._index_select(out, block_ids)
+
+    def _gather_new(self, block_ids: Sequence[int]) -> memoryview:
         out = torch.empty(self.chunk_shape, dtype=self._dtype)
+        self._index_select(out, block_ids)
+        return memoryview(out.view(-1).view(torch.uint8).numpy())
+
+    def _index_select(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long)
         for layer, cache in enumerate(self._layers):
             torch.index_select(cache, 0, index, out=out[layer])
-        return memoryview(out.view(-1).view(torch.uint8).numpy())
