@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvstack.router.upstream import ConnectFailed, Origin, UpstreamBroken, UpstreamPool
+from kvstack.router.upstream import ConnectFailed, Origin, UpstreamBroken, UpstreamPool, UpstreamTimeout
 
 Handler = Callable[["_Conn", bytes], None]
 ServerFactory = Callable[[Handler], "RawServer"]
@@ -305,3 +305,32 @@ def test_origins_keep_a_base_path_and_the_host_header() -> None:
     assert Origin.parse("http://10.0.0.1").port == 80
     with pytest.raises(ValueError):
         Origin.parse("ftp://x")
+
+
+async def test_no_answer_in_time_is_a_first_byte_timeout_and_closes(raw_server: ServerFactory) -> None:
+    server = await serve(raw_server(lambda conn, req: None))  # reads the request, never answers
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(UpstreamTimeout) as info:
+            await pool.request(server.url, "/x", [], b"", connect_timeout=2, first_byte_timeout=0.2)
+        assert info.value.reason == "first_byte_timeout"
+        assert isinstance(info.value, TimeoutError)
+        assert pool.open_connections == 0 and pool.idle_connections == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_body_that_stalls_is_a_body_timeout(raw_server: ServerFactory) -> None:
+    server = await serve(
+        raw_server(lambda conn, req: conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"))
+    )
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(server.url, "/x", [], b"", connect_timeout=2, first_byte_timeout=2)
+        with pytest.raises(UpstreamTimeout) as info:
+            await resp.read(within=0.2)
+        assert info.value.reason == "body_timeout"
+        resp.release()
+        assert pool.open_connections == 0
+    finally:
+        await pool.close()

@@ -243,10 +243,9 @@ class Proxy:
         try:
             first_byte = min(timeouts.first_byte, max(0.0, deadline - self._clock()))
             try:
-                async with asyncio.timeout(first_byte):
-                    upstream = await self.upstream.request(
-                        url, path, headers, body, connect_timeout=timeouts.connect
-                    )
+                upstream = await self.upstream.request(
+                    url, path, headers, body, connect_timeout=timeouts.connect, first_byte_timeout=first_byte
+                )
             except TimeoutError:
                 settle(False)
                 raise _Retryable("first_byte_timeout") from None
@@ -273,9 +272,8 @@ class Proxy:
             if not is_sse and length is not None and length <= WHOLE_BODY_MAX:
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
                 try:
-                    async with asyncio.timeout(min(timeouts.idle, max(0.0, deadline - self._clock()))):
-                        data = await upstream.read()
-                except (TimeoutError, UpstreamError):
+                    data = await upstream.read(min(timeouts.idle, max(0.0, deadline - self._clock())))
+                except UpstreamError:
                     settle(False)
                     self.metrics.upstream_errors.labels(engine=url, reason="body").inc()
                     raise OpenAIError(

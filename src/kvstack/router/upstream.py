@@ -40,6 +40,7 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamResponse",
+    "UpstreamTimeout",
 ]
 
 READ_HIGH_WATER = 1 << 20
@@ -58,6 +59,14 @@ class ConnectFailed(UpstreamError):
 
 class UpstreamBroken(UpstreamError):
     reason = "upstream_broke"
+
+
+class UpstreamTimeout(UpstreamError, TimeoutError):
+    """The answer's headers (``first_byte_timeout``) or its body (``body_timeout``) did not come in time."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,19 +184,33 @@ class UpstreamResponse:
             self._conn.resume()
         return data
 
-    async def read(self) -> bytes:
-        """The whole body (the caller bounds the wait)."""
-        while not self._done:
-            if self._error is not None:
-                raise self._error
-            if self._paused:  # the caller wants it all: keep reading
-                self._paused = False
-                self._conn.resume()
-            await self._wait()
+    async def read(self, within: float | None = None) -> bytes:
+        """The whole body; ``UpstreamTimeout("body_timeout")`` (connection closed) after ``within`` seconds.
+
+        (A timer handle rather than ``asyncio.timeout``: this is every plain request's path.)
+        """
+        timer = None
+        if within is not None and not self._done:
+            timer = asyncio.get_running_loop().call_later(within, self._time_out)
+        try:
+            while not self._done:
+                if self._error is not None:
+                    raise self._error
+                if self._paused:  # the caller wants it all: keep reading
+                    self._paused = False
+                    self._conn.resume()
+                await self._wait()
+        finally:
+            if timer is not None:
+                timer.cancel()
         data = b"".join(self._pieces)
         self._pieces.clear()
         self._buffered = 0
         return data
+
+    def _time_out(self) -> None:
+        self._fail(UpstreamTimeout("body_timeout", "the engine's answer did not complete in time"))
+        self._conn.close()
 
     def release(self) -> None:
         """Done with this answer: the connection goes back to the pool if it can be reused, else closes."""
@@ -283,6 +306,12 @@ class _Connection(asyncio.Protocol):
             self.response._fail(error)
         self.close()
 
+    def headers_timed_out(self) -> None:
+        waiter = self.headers_ready
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(UpstreamTimeout("first_byte_timeout", "no answer from the engine in time"))
+        self.close()
+
     def pause(self) -> None:
         if self.transport is not None and not self.closed:
             self.transport.pause_reading()
@@ -357,9 +386,39 @@ class UpstreamPool:
         body: bytes,
         *,
         connect_timeout: float,
+        first_byte_timeout: float | None = None,
         method: str = "POST",
     ) -> UpstreamResponse:
-        """Send one request; return when the answer's headers arrived (the caller bounds the wait)."""
+        """Send one request; return when the answer's headers arrived.
+
+        ``first_byte_timeout`` bounds connecting and waiting for the headers together
+        (``UpstreamTimeout("first_byte_timeout")``, the connection is closed); ``connect_timeout`` bounds
+        connecting alone (``ConnectFailed``).
+        """
+        if first_byte_timeout is None:
+            return await self._request(base_url, path, headers, body, connect_timeout, None)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + first_byte_timeout
+        if first_byte_timeout < connect_timeout:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    return await self._request(base_url, path, headers, body, connect_timeout, deadline)
+            except UpstreamTimeout:
+                raise
+            except TimeoutError:
+                raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
+        return await self._request(base_url, path, headers, body, connect_timeout, deadline)
+
+    async def _request(
+        self,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        connect_timeout: float,
+        deadline: float | None,
+        method: str = "POST",
+    ) -> UpstreamResponse:
         origin = self.origin(base_url)
         head = _request_head(method, origin, path, headers, len(body))
         for fresh_only in (False, True):
@@ -379,6 +438,7 @@ class UpstreamPool:
                     continue
                 raise UpstreamBroken("connection to the engine closed before the request was sent")
             conn.transport.writelines((head, body) if body else (head,))
+            timer = None if deadline is None else loop.call_at(deadline, conn.headers_timed_out)
             try:
                 await conn.headers_ready
             except UpstreamBroken:
@@ -388,6 +448,9 @@ class UpstreamPool:
             except BaseException:
                 conn.close()
                 raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
             return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
 
