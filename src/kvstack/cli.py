@@ -1,6 +1,7 @@
 """The ``kvstack`` command: the composition root that builds every object from flags.
 
-Subcommands: ``sim`` (simulated vLLM engines), ``model make-tiny`` (a dummy-weight model directory
+Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``up`` (a local stack: simulated engines, a KV
+cache server and the router), ``cache-server``, ``bench``, ``model make-tiny`` (a dummy-weight model directory
 that real vLLM and the simulator both serve), ``version``.
 """
 
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
 from kvstack.cache.cli import add_cache_server_parser, run_cache_server
+from kvstack.sim.kv_connector import DEFAULT_CHUNK_SIZE
 
 
 def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -60,6 +63,12 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--decode-per-seq", type=float, default=0.0001, help="added inter-token latency per running seq"
     )
     g.add_argument("--step-overhead", type=float, default=0.001)
+    g.add_argument(
+        "--kv-load-per-token",
+        type=float,
+        default=0.000005,
+        help="prefill cost of a prompt token loaded from the KV cache tier instead of computed",
+    )
     g.add_argument("--seed", type=int, default=0, help="output and block-hash seed")
     g.add_argument(
         "--mean-output-len", type=int, default=128, help="mean tokens before EOS (without ignore_eos)"
@@ -78,6 +87,22 @@ def _add_sim_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=30.0,
         help="P/D prefill side: seconds to hold blocks for a decode side that never pulls",
     )
+    g = p.add_argument_group("KV cache tier (an emulated kvstack KV connector)")
+    g.add_argument(
+        "--kv-cache-server",
+        metavar="tcp://HOST:PORT",
+        help="load prompt chunks from this kvstack cache-server and save computed ones (default: off)",
+    )
+    g.add_argument(
+        "--kv-cache-chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK_SIZE,
+        help="tokens per chunk, a multiple of --block-size; the cache server's --chunk-size",
+    )
+    g.add_argument(
+        "--kv-cache-bytes-per-token", type=int, default=16, help="size of the synthetic chunk payloads"
+    )
+    g.add_argument("--kv-cache-timeout", type=float, default=0.5, help="seconds per cache server call")
     g = p.add_argument_group("fault injection (also at runtime: POST /admin/faults)")
     g.add_argument("--error-rate", type=float, default=0.0)
     g.add_argument("--error-codes", default="500", help="comma-separated subset of 429,500,503")
@@ -95,6 +120,7 @@ def _run_sim(args: argparse.Namespace) -> int:
     from kvstack.sim.cluster import RunningEngine, SimOptions, serve
     from kvstack.sim.engine import EngineConfig
     from kvstack.sim.faults import FaultConfig
+    from kvstack.sim.kv_connector import CacheTierConfig, sim_kv_layout
     from kvstack.sim.scheduler import LatencyModel
 
     tokenizer_dir = args.tokenizer or args.model
@@ -115,6 +141,20 @@ def _run_sim(args: argparse.Namespace) -> int:
     if args.time_scale <= 0 or args.engines < 1 or args.block_size < 1:
         print("kvstack sim: --time-scale, --engines and --block-size must be positive", file=sys.stderr)
         return 2
+    model_root = str(Path(args.model).resolve()) if args.model else names[0]
+    cache_tier = None
+    if args.kv_cache_server:
+        try:
+            cache_tier = CacheTierConfig(
+                server=args.kv_cache_server,
+                layout=sim_kv_layout(model_root, args.model, args.block_size),
+                chunk_size=args.kv_cache_chunk_size,
+                bytes_per_token=args.kv_cache_bytes_per_token,
+                timeout_s=args.kv_cache_timeout,
+            ).validate(args.block_size)
+        except ValueError as exc:
+            print(f"kvstack sim: {exc}", file=sys.stderr)
+            return 2
     engine = EngineConfig(
         model_name=names[0],
         max_model_len=args.max_model_len,
@@ -132,13 +172,14 @@ def _run_sim(args: argparse.Namespace) -> int:
             prefill_per_token=args.prefill_per_token,
             decode_base=args.decode_base,
             decode_per_seq=args.decode_per_seq,
+            load_per_token=args.kv_load_per_token,
         ),
         legacy_metric_names=args.legacy_metric_names,
     )
     opts = SimOptions(
         engine=engine,
         served_model_names=names,
-        model_root=str(Path(args.model).resolve()) if args.model else names[0],
+        model_root=model_root,
         host=args.host,
         port=args.port,
         engines=args.engines,
@@ -150,6 +191,7 @@ def _run_sim(args: argparse.Namespace) -> int:
         enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         kv_hold_timeout=args.kv_hold_timeout,
         faults=faults,
+        cache_tier=cache_tier,
     )
 
     async def main() -> None:
@@ -167,6 +209,8 @@ def _run_sim(args: argparse.Namespace) -> int:
         print(
             f"kvstack sim: {len(engines)} engine(s) serving model {names[0]!r} (tokenizer: {tokenizer.name})"
         )
+        if cache_tier is not None:
+            print(f"  KV cache tier: {cache_tier.server} (chunks of {cache_tier.chunk_size} tokens)")
         for e in engines:
             events = f"  kv events {e.events_endpoint}" if e.events_endpoint else ""
             print(f"  engine {e.index}: {e.url}/v1  metrics {e.url}/metrics{events}")
@@ -453,7 +497,9 @@ def _serve(main: Any) -> int:
 
 
 def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("up", help="a local stack: simulated engines with the router in front")
+    p = sub.add_parser(
+        "up", help="a local stack: simulated engines and a KV cache server with the router in front"
+    )
     p.add_argument("--engines", type=int, default=2)
     p.add_argument("--port", type=int, default=8080, help="router port; engines use port+1 .. port+N")
     p.add_argument(
@@ -462,42 +508,170 @@ def _add_up_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--served-model-name", default="kvstack-sim")
     p.add_argument("--routing", default="auto")
     p.add_argument("--time-scale", type=float, default=1.0)
+    g = p.add_argument_group("KV cache tier")
+    g.add_argument(
+        "--no-cache-server",
+        dest="cache_server",
+        action="store_false",
+        help="no cache server: engines without a KV connector, the router without cache events",
+    )
+    g.add_argument(
+        "--cache-port",
+        type=int,
+        default=0,
+        help="cache server port; its events use port+1 and their replay port+2 (0 = free ports)",
+    )
+    g.add_argument("--cache-memory-mb", type=float, default=256.0, help="the cache server's memory budget")
+    g.add_argument("--cache-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk")
     p.add_argument("--log-level", default="warning")
 
 
+@dataclass(frozen=True)
+class _CacheServerPlan:
+    """Where ``kvstack up``'s cache server listens, and what it holds."""
+
+    bind: str
+    events: str
+    replay: str
+    node: str
+    memory_mb: float
+    chunk_size: int
+
+    @classmethod
+    def on_port(cls, port: int, **kwargs: Any) -> _CacheServerPlan:
+        ports = [port, port + 1, port + 2] if port else [_free_port() for _ in range(3)]
+        bind, events, replay = (f"tcp://127.0.0.1:{p}" for p in ports)
+        return cls(bind, events, replay, **kwargs)
+
+    def command(self, log_level: str) -> list[str]:
+        return [
+            sys.executable, "-m", "kvstack.cli", "cache-server", "--bind", self.bind,
+            "--events", self.events, "--events-replay", self.replay, "--node", self.node,
+            "--memory-gb", str(self.memory_mb / 1024), "--chunk-size", str(self.chunk_size),
+            "--log-level", log_level,
+        ]  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _start_cache_server(plan: _CacheServerPlan, log_level: str) -> asyncio.subprocess.Process:
+    """``kvstack cache-server`` as a child process (same process group: stopping the stack's group stops
+    it too); returns once it has bound its sockets (its first line of output)."""
+    proc = await asyncio.create_subprocess_exec(
+        *plan.command(log_level), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        ready = await asyncio.wait_for(proc.stdout.readline(), timeout=60.0)
+    except BaseException:
+        await _stop_process(proc)
+        raise
+    if not ready:
+        code = await proc.wait()
+        print(f"kvstack up: the cache server exited ({code}) before serving (see above)", file=sys.stderr)
+        raise SystemExit(1)
+    return proc
+
+
+async def _stop_process(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def _drain_output(proc: asyncio.subprocess.Process) -> None:
+    """Pass the cache server's later output on (an unread pipe would block it once full)."""
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+
+
 def _run_up(args: argparse.Namespace) -> int:
+    import socket
+
     from kvstack.engines.state import Endpoint
     from kvstack.engines.tokenizer import load_tokenizer
+    from kvstack.router.kv_feeds import CacheEvents
     from kvstack.router.server import RouterOptions, running_router
     from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
     from kvstack.sim.engine import EngineConfig
+    from kvstack.sim.kv_connector import CacheTierConfig, sim_kv_layout
     from kvstack.sim.textgen import OutputSampler
 
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name
+    engine_cfg = EngineConfig(model_name=name, time_scale=args.time_scale)
+    model_root = args.model or name
+    # Engines and cache server share one node: the cache's chunks count for every engine.
+    node = socket.gethostname()
+    plan = None
+    cache_tier = None
+    if args.cache_server:
+        try:
+            if args.cache_memory_mb <= 0:
+                raise ValueError("--cache-memory-mb must be positive")
+            plan = _CacheServerPlan.on_port(
+                args.cache_port, node=node, memory_mb=args.cache_memory_mb, chunk_size=args.cache_chunk_size
+            )
+            cache_tier = CacheTierConfig(
+                server=plan.bind,
+                layout=sim_kv_layout(model_root, args.model, engine_cfg.block_size),
+                chunk_size=args.cache_chunk_size,
+            ).validate(engine_cfg.block_size)
+        except ValueError as exc:
+            print(f"kvstack up: {exc}", file=sys.stderr)
+            return 2
     sim = SimOptions(
-        engine=EngineConfig(model_name=name, time_scale=args.time_scale),
+        engine=engine_cfg,
         served_model_names=[name],
-        model_root=args.model or name,
+        model_root=model_root,
         port=args.port + 1,
         engines=args.engines,
         enable_prompt_tokens_details=True,
+        cache_tier=cache_tier,
     )
 
     async def main() -> None:
-        sampler = OutputSampler(tokenizer)
-        engines = [await start_engine(sim, tokenizer, sampler, i) for i in range(args.engines)]
+        cache = None if plan is None else await _start_cache_server(plan, args.log_level)
+        background: list[asyncio.Task[Any]] = []
+        engines = []
         try:
+            sampler = OutputSampler(tokenizer)
+            for i in range(args.engines):
+                engines.append(await start_engine(sim, tokenizer, sampler, i))
             opts = RouterOptions(
                 port=args.port,
-                engines=[Endpoint(e.url) for e in engines],
+                engines=[Endpoint(e.url, node=node) for e in engines],
                 routing=args.routing,
                 tokenizers={"*": args.model} if args.model else {},
+                cache_events=[]
+                if plan is None
+                else [CacheEvents(plan.events, node=node, replay_endpoint=plan.replay)],
             )
             async with running_router(opts) as router:
-                print(f"kvstack: {len(engines)} simulated engine(s) serving {name!r} behind the router")
+                parts = f"{len(engines)} simulated engine(s)" + ("" if plan is None else " + KV cache server")
+                print(f"kvstack: {parts} serving {name!r} behind the router")
                 for e in engines:
                     print(f"  engine {e.index}: {e.url}  (kv events {e.events_endpoint})")
+                if plan is not None:
+                    print(
+                        f"  cache:    {plan.bind}  (events {plan.events}, node {node}, "
+                        f"{plan.memory_mb:g} MiB memory, chunks of {plan.chunk_size} tokens)"
+                    )
                 print(f"  router:   {router.url}  (/engines, /metrics, /ready)")
                 print(f"OpenAI base URL: {router.url}/v1   model: {name}")
                 print(
@@ -505,10 +679,19 @@ def _run_up(args: argparse.Namespace) -> int:
                     f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'',
                     flush=True,
                 )
+                if cache is not None:
+                    background.append(asyncio.ensure_future(_drain_output(cache)))
+                    code = await cache.wait()
+                    # The engines keep serving (every lookup a miss), as a stack whose cache died would.
+                    print(f"kvstack up: cache server exited ({code}); engines go on without it", flush=True)
                 await asyncio.Event().wait()
         finally:
+            for task in background:
+                task.cancel()
             for e in engines:
                 await stop_engine(e)
+            if cache is not None:
+                await _stop_process(cache)
 
     return _serve(main())
 

@@ -13,6 +13,7 @@ from kvstack.engines.tokenizer import Tokenizer
 from kvstack.sim.engine import EngineConfig, SimEngine
 from kvstack.sim.event_publisher import KVEventPublisher
 from kvstack.sim.faults import FaultConfig
+from kvstack.sim.kv_connector import CacheTierConfig, CacheTierConnector
 from kvstack.sim.server import ServerConfig, SimServer
 from kvstack.sim.textgen import OutputSampler
 
@@ -38,6 +39,8 @@ class SimOptions:
     enable_prompt_tokens_details: bool = False
     kv_hold_timeout: float = 30.0
     faults: FaultConfig = field(default_factory=FaultConfig)
+    # The KV cache tier every engine loads prompt chunks from and saves them to (None: no connector).
+    cache_tier: CacheTierConfig | None = None
 
 
 @dataclass
@@ -48,6 +51,7 @@ class RunningEngine:
     server: SimServer
     publisher: KVEventPublisher | None
     runner: web.AppRunner
+    connector: CacheTierConnector | None = None
 
     @property
     def events_endpoint(self) -> str | None:
@@ -84,7 +88,10 @@ async def start_engine(
             "topic": "",
         }
     engine_cfg = replace(opts.engine, seed=opts.engine.seed)
-    engine = SimEngine(engine_cfg, sampler, events=publisher, eos_token_id=tokenizer.eos_token_id)
+    connector = None if opts.cache_tier is None else CacheTierConnector(opts.cache_tier, name=f"sim-{i}")
+    engine = SimEngine(
+        engine_cfg, sampler, events=publisher, eos_token_id=tokenizer.eos_token_id, connector=connector
+    )
     server_cfg = ServerConfig(
         served_model_names=opts.served_model_names,
         model_root=opts.model_root,
@@ -103,14 +110,24 @@ async def start_engine(
     runner = web.AppRunner(server.app(), access_log=None, handle_signals=False, handler_cancellation=True)
     await runner.setup()
     site = web.TCPSite(runner, opts.host, _offset(opts.port, i), backlog=2048, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        if connector is not None:
+            await connector.aclose()
+        if publisher is not None:
+            await publisher.close()
+        raise
     port = runner.addresses[0][1]
     server.config.advertise_port = port
-    return RunningEngine(i, f"http://{opts.host}:{port}", engine, server, publisher, runner)
+    return RunningEngine(i, f"http://{opts.host}:{port}", engine, server, publisher, runner, connector)
 
 
 async def stop_engine(running: RunningEngine) -> None:
     await running.runner.cleanup()
+    if running.connector is not None:
+        await running.connector.aclose()
     if running.publisher is not None:
         await running.publisher.close()
 

@@ -3,6 +3,10 @@
 Each step: schedule (``Scheduler.step``), sleep the step's modelled duration divided by the time scale,
 then hand the new tokens to the waiting request handlers, publish the step's KV events as one batch,
 and update metrics. New requests wait for the next step, as on a real engine.
+
+With a KV connector (``sim.kv_connector``), a new request first asks it what the external cache holds of
+its prompt (counted as waiting meanwhile) and then joins the queue; when its prompt is computed, the
+connector saves the new chunks.
 """
 
 from __future__ import annotations
@@ -12,14 +16,14 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvstack.engines.kv_events import KVEvent
 from kvstack.sim.kv_cache import KVCache
 from kvstack.sim.metrics import EngineMetrics
-from kvstack.sim.scheduler import LatencyModel, Scheduler, SimRequest, Status
+from kvstack.sim.scheduler import ExternalPrefix, LatencyModel, Scheduler, SimRequest, Status
 from kvstack.sim.textgen import OutputSampler
 
 log = logging.getLogger(__name__)
@@ -34,6 +38,18 @@ class EventSink(Protocol):
     def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> None: ...
 
     def flush(self) -> int | None: ...
+
+
+class KVConnector(Protocol):
+    """An external KV cache the engine loads prompt prefixes from and saves computed chunks to."""
+
+    async def lookup(self, token_ids: Sequence[int], num_local: int) -> ExternalPrefix:
+        """What the cache holds of the prompt past the local prefix hit of ``num_local`` tokens."""
+        ...
+
+    def save(self, req: SimRequest) -> None:
+        """The request's prompt is computed: keep its new chunks (without blocking)."""
+        ...
 
 
 @dataclass(slots=True)
@@ -81,6 +97,7 @@ class SimEngine:
         *,
         events: EventSink | None = None,
         eos_token_id: int | None = None,
+        connector: KVConnector | None = None,
     ) -> None:
         self.config = config
         self.sampler = sampler
@@ -109,6 +126,9 @@ class SimEngine:
         )
         self.metrics.kv_usage.set(0.0)
         self.events = events
+        self.connector = connector
+        self._lookups: set[asyncio.Task[None]] = set()
+        self._looking_up = 0  # requests in a connector lookup (the tasks leave the set a little later)
         self._streams: dict[int, RequestStream] = {}
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -122,6 +142,9 @@ class SimEngine:
             self._task = asyncio.get_running_loop().create_task(self._run(), name="sim-engine")
 
     async def stop(self) -> None:
+        for lookup in list(self._lookups):
+            lookup.cancel()
+        await asyncio.gather(*self._lookups, return_exceptions=True)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -140,9 +163,31 @@ class SimEngine:
             req.eos_token_id = self.eos_token_id
         stream = RequestStream(req) if queue is None else RequestStream(req, queue)
         self._streams[id(req)] = stream
+        if self.connector is None or req.remote_prefill:
+            self._enqueue(req)
+        else:
+            task = asyncio.get_running_loop().create_task(self._lookup_then_enqueue(req, self.connector))
+            self._looking_up += 1
+            self._lookups.add(task)
+            task.add_done_callback(self._lookups.discard)
+        return stream
+
+    def _enqueue(self, req: SimRequest) -> None:
         self.scheduler.add(req)
         self._wakeup.set()
-        return stream
+
+    async def _lookup_then_enqueue(self, req: SimRequest, connector: KVConnector) -> None:
+        kv = self.kv
+        req.block_hashes = kv.block_hashes(req.prompt_token_ids)
+        local = len(kv.longest_cached_prefix(req.block_hashes, req.num_prompt_tokens - 1)) * kv.block_size
+        try:
+            req.external_prefix = await connector.lookup(req.prompt_token_ids, local)
+        except Exception:  # the connector turns faults into misses; a bug must not lose the request
+            log.exception("KV connector lookup failed; computing the prompt")
+        finally:
+            self._looking_up -= 1
+        if req.status is Status.WAITING and id(req) in self._streams:  # else aborted meanwhile
+            self._enqueue(req)
 
     def abort(self, stream: RequestStream, *, finish_reason: str | None = None) -> None:
         """End a sequence early. A client abort (no reason) is not counted as a finished request, as in
@@ -166,11 +211,11 @@ class SimEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        return len(self.scheduler.waiting) + self._looking_up
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.scheduler.running) + len(self.scheduler.waiting)
+        return len(self.scheduler.running) + self.num_waiting
 
     def release_held(self, request_id: str) -> bool:
         """Free the blocks a finished P/D prefill kept for its decode side."""
@@ -218,6 +263,8 @@ class SimEngine:
                 continue  # ended (aborted, or stopped by a stop string) while its step ran: output discarded
             if len(req.output_token_ids) == 1:
                 self.metrics.observe_first_token(req)
+                if self.connector is not None and req.external_prefix is not None:
+                    self.connector.save(req)
             self.metrics.observe_token(req)
             finish = req.finish_reason if id(req) in done else None
             if finish is not None:

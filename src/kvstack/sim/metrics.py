@@ -261,14 +261,16 @@ class EngineMetrics:
             self.iteration_tokens.observe(stats.prefill_tokens + stats.decode_seqs)
         if stats.preempted:
             self.preemptions.inc(stats.preempted)
-        for prompt, hit, external in stats.admitted:
+        for prompt, hit, _ in stats.admitted:
             self.prefix_queries.inc(prompt)
             self.prefix_hits.inc(hit)
             self.cached_by_source["device"].inc(hit)
-            if external:
-                self.external_queries.inc(prompt - hit)
-                self.external_hits.inc(external)
-                self.cached_by_source["external_unspecified"].inc(external)
+        for query in stats.connector:
+            self.external_queries.inc(query.queries)
+            self.external_hits.inc(query.hits)
+            for source, tokens in query.hits_by_source.items():
+                by_source = self.cached_by_source.get(source, self.cached_by_source["external_unspecified"])
+                by_source.inc(tokens)
 
     def observe_new_request(self, *, n: int, max_tokens: int) -> None:
         self.params_n.observe(n)

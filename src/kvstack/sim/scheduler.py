@@ -10,6 +10,12 @@ recomputed later with whatever prefix is still cached).
 Counters follow vLLM's accounting: prefix-cache queries and hits are recorded when a request is
 first scheduled (prompt tokens, and hit tokens capped at ``prompt - 1`` and block-aligned);
 preempted re-schedules are not counted.
+
+A KV connector extends the local prefix hit with tokens loaded from outside the engine: the P/D decode
+side's transfer (``remote_prefill``: every prompt token but the last, free of charge), or an external
+cache's chunks found before scheduling (``external_prefix``, see `ExternalPrefix`; charged
+``load_per_token`` each). As in vLLM, a request admitted through a connector records connector queries
+(prompt tokens past the local hit) and hits (tokens loaded).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvstack.sim.kv_cache import Block, KVCache
 
@@ -34,21 +41,65 @@ class Status(enum.Enum):
 class LatencyModel:
     """Modelled duration of one engine step, in seconds at time scale 1.
 
-    step = overhead + prefill_per_token * prefill tokens
+    step = overhead + prefill_per_token * prefill tokens + load_per_token * tokens loaded from a KV cache
            + (decode_base + decode_per_seq * running sequences, if any sequence decodes)
-    Inter-token latency therefore grows linearly with batch size, and TTFT with uncached tokens.
+    Inter-token latency therefore grows linearly with batch size, and TTFT with uncached tokens; a token
+    loaded from the KV cache tier costs a tenth of computing it by default.
     """
 
     step_overhead: float = 0.001
     prefill_per_token: float = 0.00005
     decode_base: float = 0.008
     decode_per_seq: float = 0.0001
+    load_per_token: float = 0.000005
 
-    def step_time(self, prefill_tokens: int, decode_seqs: int, batch_size: int) -> float:
-        t = self.step_overhead + self.prefill_per_token * prefill_tokens
+    def step_time(
+        self, prefill_tokens: int, decode_seqs: int, batch_size: int, loaded_tokens: int = 0
+    ) -> float:
+        t = self.step_overhead + self.prefill_per_token * prefill_tokens + self.load_per_token * loaded_tokens
         if decode_seqs:
             t += self.decode_base + self.decode_per_seq * batch_size
         return t
+
+
+@dataclass(frozen=True, slots=True)
+class ExternalPrefix:
+    """What an external KV cache holds of a prompt, as the connector found it before scheduling: the
+    consecutive chunks ``first_chunk, first_chunk + 1, ...``, one source label per chunk (the
+    ``prompt_tokens_cached_by_source`` label of the tier holding it), and the prompt's chunk keys (the
+    connector's, opaque here)."""
+
+    chunk_size: int
+    first_chunk: int = 0
+    sources: tuple[str, ...] = ()
+    keys: tuple[bytes, ...] = ()
+
+    @property
+    def start(self) -> int:
+        return self.first_chunk * self.chunk_size
+
+    @property
+    def end(self) -> int:
+        return (self.first_chunk + len(self.sources)) * self.chunk_size
+
+    def loadable(self, num_prompt_tokens: int, num_local: int, block_size: int) -> int:
+        """Tokens past the local hit ``num_local`` to load: up to the stored end, capped at the last block
+        boundary before the prompt's last token (which must be computed to sample from it); none when the
+        local hit ends before the stored chunks begin."""
+        if not self.sources or num_local < self.start:
+            return 0
+        cap = (num_prompt_tokens - 1) // block_size * block_size
+        return max(0, min(self.end, cap) - num_local)
+
+    def split(self, start: int, end: int) -> dict[str, int]:
+        """Tokens ``[start, end)`` by the source label of the chunk holding them."""
+        out: dict[str, int] = {}
+        for i, source in enumerate(self.sources):
+            lo = max(start, (self.first_chunk + i) * self.chunk_size)
+            hi = min(end, (self.first_chunk + i + 1) * self.chunk_size)
+            if hi > lo:
+                out[source] = out.get(source, 0) + hi - lo
+        return out
 
 
 @dataclass(slots=True, eq=False)
@@ -70,6 +121,8 @@ class SimRequest:
     # P/D prefill side: keep the blocks after finishing until the decode side has pulled them.
     hold_blocks_on_finish: bool = False
     lora_name: str | None = None
+    # What the engine's KV connector found in the external cache (None: no connector asked).
+    external_prefix: ExternalPrefix | None = None
 
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -100,6 +153,17 @@ class SimRequest:
         return self.prompt_token_ids + self.output_token_ids
 
 
+class ConnectorQuery(NamedTuple):
+    """One newly admitted request's KV connector accounting, as vLLM records it."""
+
+    queries: int
+    """Prompt tokens past the local prefix hit."""
+    hits: int
+    """Tokens the connector supplies."""
+    hits_by_source: dict[str, int]
+    """``hits`` by ``prompt_tokens_cached_by_source`` label."""
+
+
 @dataclass(slots=True)
 class StepStats:
     """What one step did, for metrics."""
@@ -108,8 +172,12 @@ class StepStats:
     prefill_tokens: int = 0
     decode_seqs: int = 0
     batch_size: int = 0
+    # Tokens loaded from an external KV cache (each costs ``load_per_token``).
+    loaded_tokens: int = 0
     # Per newly admitted request (not preempted before): prompt, hit tokens, external tokens.
     admitted: list[tuple[int, int, int]] = field(default_factory=list)
+    # Per newly admitted request that went through a KV connector.
+    connector: list[ConnectorQuery] = field(default_factory=list)
     preempted: int = 0
 
 
@@ -147,7 +215,7 @@ class Scheduler:
 
     # -- requests --------------------------------------------------------------------------------
     def add(self, req: SimRequest) -> None:
-        req.block_hashes = self.kv.block_hashes(req.prompt_token_ids)
+        req.block_hashes = self.kv.block_hashes(req.prompt_token_ids, have=req.block_hashes)
         self.waiting.append(req)
 
     def abort(self, req: SimRequest, finish_reason: str = "abort") -> None:
@@ -223,7 +291,9 @@ class Scheduler:
             else:
                 stats.decode_seqs += 1
         stats.batch_size = len(scheduled)
-        stats.duration = self.latency.step_time(stats.prefill_tokens, stats.decode_seqs, stats.batch_size)
+        stats.duration = self.latency.step_time(
+            stats.prefill_tokens, stats.decode_seqs, stats.batch_size, stats.loaded_tokens
+        )
         end = now + stats.duration
 
         for req, num_new in scheduled:
@@ -253,10 +323,18 @@ class Scheduler:
         hit_blocks = kv.longest_cached_prefix(req.block_hashes, req.num_tokens - 1)
         num_hit = len(hit_blocks) * kv.block_size
         num_external = 0
-        if req.remote_prefill and req.num_preemptions == 0:
-            # The prefill engine supplies every prompt token except the last, which is recomputed
-            # locally to produce logits (as vLLM's P/D connectors do).
-            num_external = max(0, req.num_prompt_tokens - 1 - num_hit)
+        loaded = 0
+        by_source: dict[str, int] = {}
+        ext = req.external_prefix
+        if req.remote_prefill:
+            if req.num_preemptions == 0:
+                # The prefill engine supplies every prompt token except the last, which is recomputed
+                # locally to produce logits (as vLLM's P/D connectors do).
+                num_external = max(0, req.num_prompt_tokens - 1 - num_hit)
+                by_source = {"external_unspecified": num_external}
+        elif ext is not None:
+            num_external = loaded = ext.loadable(req.num_prompt_tokens, num_hit, kv.block_size)
+            by_source = ext.split(num_hit, num_hit + num_external)
         computed = num_hit + num_external
         num_new = min(req.num_tokens - computed, budget)
         needed = math.ceil((computed + num_new) / kv.block_size) - len(hit_blocks)
@@ -269,11 +347,15 @@ class Scheduler:
         req.blocks = hit_blocks + fresh
         req.num_cached_blocks = len(hit_blocks)
         req.num_computed_tokens = computed
+        stats.loaded_tokens += loaded
         if req.num_preemptions == 0:
             req.num_cached_tokens = num_hit + num_external
             req.num_external_tokens = num_external
             req.first_scheduled_time = now
             stats.admitted.append((req.num_prompt_tokens, num_hit, num_external))
+            queries = req.num_tokens - num_hit
+            if (req.remote_prefill or ext is not None) and queries:
+                stats.connector.append(ConnectorQuery(queries, num_external, by_source))
         self._cache_blocks(req, computed + num_new)
         return True
 
