@@ -92,20 +92,22 @@ class RunningRouter:
     upstream: UpstreamPool | None = None
 
     async def stop(self) -> None:
-        if self.discovery is not None:
-            await self.discovery.stop()
-        if self.group is not None:
-            await self.group.stop()
-        if self.feeds is not None:
-            await self.feeds.stop()
-        if self.prompts is not None:
-            self.prompts.close()
-        await self.scraper.stop()
-        await self.runner.cleanup()
-        if self.upstream is not None:
-            await self.upstream.close()
-        await self.session.close()
-        await self.scrape_session.close()
+        try:
+            if self.discovery is not None:
+                await self.discovery.stop()
+            if self.group is not None:
+                await self.group.stop()
+            if self.feeds is not None:
+                await self.feeds.stop()
+            if self.prompts is not None:
+                self.prompts.close()
+            await self.scraper.stop()
+            await self.runner.cleanup()
+        finally:  # connections are released even when a step above failed or was cancelled
+            if self.upstream is not None:
+                await self.upstream.close()
+            await self.session.close()
+            await self.scrape_session.close()
 
 
 async def start_router(opts: RouterOptions) -> RunningRouter:
