@@ -147,3 +147,16 @@ def test_bad_input_is_a_clear_error() -> None:
         dataclasses.replace(LAYOUT, tp_rank=2)
     with pytest.raises(ValueError, match="32 bytes"):
         ChunkKey(b"short")
+
+
+@pytest.mark.parametrize("n", [0, 1, 128, 1025])
+def test_protocol_key_splitting_round_trips(n: int) -> None:
+    from kvstack.cache.protocol import ProtocolError, join_keys, key_bytes, split_keys
+
+    keys = [ChunkKey(os.urandom(32)) for _ in range(n)]
+    raw = join_keys(keys)
+    assert split_keys(raw) == keys and all(type(k) is ChunkKey for k in split_keys(raw))
+    assert list(key_bytes(raw)) == keys  # plain bytes, equal (and hashing equal) to the ChunkKeys
+    assert {k: 1 for k in keys}.keys() >= set(key_bytes(raw))
+    with pytest.raises(ProtocolError, match="multiple of 32"):
+        key_bytes(raw + b"x")

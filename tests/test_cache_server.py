@@ -277,6 +277,49 @@ async def test_shared_tiers_publish_remote(zctx: zmq.asyncio.Context) -> None:
         sub.sock.close(linger=0)
 
 
+async def test_lookups_are_answered_inline_unless_a_tier_needs_io() -> None:
+    """Memory-only prefixes are answered without a task; one reaching an async-only tier goes through one."""
+    shared = DictTier()
+    async with (
+        serving([MemoryTier(1 << 20), shared]) as srv,
+        AsyncCacheClient(srv.endpoint or "") as client,
+    ):
+        keys = chunk_keys(list(range(6 * CHUNK)), LAYOUT, CHUNK)
+        assert await client.put(keys[:3], [b"a", b"b", b"c"])
+        await srv.store.flush()
+        assert srv.store.lookup_now(keys[:3]) == (3, ["memory"] * 3)
+        assert srv.store.lookup_now(keys) is None  # the 4th key must be asked of the shared tier
+        shared.data[keys[3]] = b"d"  # only the shared tier holds chunk 3
+        assert await client.locate(keys) == ["memory"] * 3 + ["shared"]
+        assert await client.lookup(keys[:3]) == 3
+        assert await client.exists(keys[:5]) == [True, True, True, True, False]
+        stats = await client.server_stats()
+        assert stats is not None and stats["server"]["in_flight"] == 0
+
+
+async def test_a_full_server_stops_reading_until_a_task_ends(zctx: zmq.asyncio.Context) -> None:
+    gate = asyncio.Event()
+
+    class SlowTier(DictTier):
+        async def contains(self, keys: Sequence[bytes]) -> int:
+            await gate.wait()
+            return await super().contains(keys)
+
+    async with serving([MemoryTier(1 << 20), SlowTier()], max_concurrency=1) as srv:
+        dealer = zctx.socket(zmq.DEALER)
+        dealer.connect(srv.endpoint or "")
+        keys = chunk_keys(list(range(2 * CHUNK)), LAYOUT, CHUNK)
+        for rid in (1, 2):  # each needs the slow tier: the first takes the only slot, the second waits
+            await dealer.send_multipart([encode(Lookup(id=rid, keys=join_keys(keys))), b""])
+        await asyncio.sleep(0.2)
+        assert len(srv._tasks) == 1 and not await dealer.poll(50)
+        gate.set()
+        replies = [decode_reply((await asyncio.wait_for(dealer.recv_multipart(), 2))[0]) for _ in range(2)]
+        assert sorted(r.id for r in replies) == [1, 2]
+        assert all(isinstance(r, LookupReply) and r.count == 0 for r in replies)
+        dealer.close(linger=0)
+
+
 async def test_metrics_and_health_endpoints() -> None:
     async with (
         serving(http_port=0, node="m") as srv,

@@ -808,20 +808,25 @@ class CacheClient:
         deadline = time.monotonic() + core.timeout_s
         if self._sock is None:
             self._sock = _dealer(self._ctx, core.endpoint)
+            self._sock.setsockopt(zmq.SNDTIMEO, max(1, int(core.timeout_s * 1000)))
         sock = self._sock
         core.stats.requests += 1
         try:
-            sock.setsockopt(zmq.SNDTIMEO, max(1, int(core.timeout_s * 1000)))
             sock.send_multipart(core.frames(call), copy=False)
         except zmq.ZMQError as e:
             self._reset()
             return core.failed(call, Failure("unreachable", f"cannot send ({e}); is the server running?"))
         while True:
+            # A receive timeout rather than a poll: no Poller is built per call on the lookup path.
             left_ms = int((deadline - time.monotonic()) * 1000)
-            if left_ms <= 0 or not sock.poll(left_ms, zmq.POLLIN):
+            try:
+                if left_ms <= 0:
+                    raise zmq.Again()
+                sock.setsockopt(zmq.RCVTIMEO, left_ms)
+                parts = sock.recv_multipart(copy=False)
+            except zmq.Again:
                 self._reset()
                 return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))
-            parts = sock.recv_multipart(copy=False)
             reply = core.decode(parts)
             if reply is None or reply.id != call.request.id:
                 core.stats.stale_replies += reply is not None

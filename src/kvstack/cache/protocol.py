@@ -41,9 +41,11 @@ changes for an incompatible change; a server answers any other version with erro
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import hmac
 import logging
+import struct
 import time
 from collections.abc import Sequence
 from typing import Any, Final
@@ -81,6 +83,7 @@ __all__ = [
     "decode_request",
     "encode",
     "join_keys",
+    "key_bytes",
     "request_mac",
     "split_keys",
 ]
@@ -293,15 +296,34 @@ def join_keys(keys: Sequence[bytes]) -> bytes:
 
 
 def split_keys(keys: bytes, request_id: int = 0) -> list[ChunkKey]:
+    """The `ChunkKey` s concatenated in ``keys`` (for requests whose keys a tier may store)."""
+    # Each part is 32 bytes by construction: build the keys without ChunkKey's per-key length check.
+    new_key = bytes.__new__
+    return [new_key(ChunkKey, key) for key in key_bytes(keys, request_id)]
+
+
+def key_bytes(keys: bytes, request_id: int = 0) -> tuple[bytes, ...]:
+    """The 32-byte keys concatenated in ``keys`` as plain ``bytes`` (for queries: a `ChunkKey` hashes and
+    compares as its bytes, and no ChunkKey is built: 128 keys in ~4 µs instead of ~40 µs)."""
     if len(keys) % KEY_BYTES:
         raise ProtocolError(
             ErrorCode.BAD_REQUEST,
             f"keys is {len(keys)} bytes, not a multiple of {KEY_BYTES} (32-byte chunk keys concatenated)",
             request_id,
         )
-    # Each slice is 32 bytes by construction: build the keys without ChunkKey's per-key length check.
-    new_key = bytes.__new__
-    return [new_key(ChunkKey, keys[i : i + KEY_BYTES]) for i in range(0, len(keys), KEY_BYTES)]
+    n = len(keys) // KEY_BYTES
+    if n > _STRUCT_KEYS:  # a format per count is cached: bound its size
+        return tuple(keys[i : i + KEY_BYTES] for i in range(0, len(keys), KEY_BYTES))
+    parts: tuple[bytes, ...] = _key_struct(n).unpack(keys)
+    return parts
+
+
+_STRUCT_KEYS: Final = 1024
+
+
+@functools.lru_cache(maxsize=128)
+def _key_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"{KEY_BYTES}s" * n)
 
 
 class ThrottledLog:

@@ -2,8 +2,12 @@
 
 - Binds ``tcp://127.0.0.1:5560`` by default (any ZMQ endpoint works, e.g. ``ipc:///run/kvstack/cache``);
   port 0 lets the OS choose (``endpoint`` tells the bound one).
-- Each request is handled in its own task, at most ``max_concurrency`` at a time (then the socket is not
-  read, and ZMQ queues up to its high-water mark), so a slow disk read does not hold up memory hits.
+- Requests that need no I/O (hello, stats, put, and a lookup every tier it asks answers from process memory)
+  are answered at once, in the callback that read them: no task, no await. Every other request is handled
+  in its own task, at most ``max_concurrency`` at a time (then the socket is not read, and ZMQ queues up to
+  its high-water mark), so a slow disk read does not hold up memory hits. The socket is a plain ZMQ socket
+  whose file descriptor the event loop watches (``add_reader``); replies are sent without waiting (a ROUTER
+  never blocks: past a peer's high-water mark ZMQ drops the reply and the client times out).
 - Nothing a peer sends can stop it: a message that is malformed, too large (``max_message_bytes`` for the
   sum of its frames, ``max_keys`` keys), of another version, of an unknown op, with a wrong or missing mac
   (when ``secret`` is set), or that makes a handler fail gets an error reply (counted in
@@ -66,6 +70,7 @@ from kvstack.cache.protocol import (
     ThrottledLog,
     decode_request,
     encode,
+    key_bytes,
     request_mac,
     split_keys,
 )
@@ -79,6 +84,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
 _SWEEP_INTERVAL_S = 5.0
+_READ_BATCH = 64  # requests read per loop callback before yielding to other callbacks
 _Frames = list[Any]  # what a reply carries after its header: bytes, memoryviews, zmq.Frames
 
 
@@ -115,7 +121,9 @@ class CacheServer:
         self._secret = secret
         self._max_bytes = max_message_bytes
         self._max_keys = max_keys
-        self._slots = asyncio.Semaphore(max_concurrency)
+        self._max_tasks = max_concurrency
+        self._reading = False
+        self._read_scheduled = False
         self._ctx = context
         self._own_ctx = context is None
         self._http = (http_host, http_port)
@@ -132,7 +140,7 @@ class CacheServer:
             events=None if publisher is None else lambda: (publisher.sent_events, publisher.dropped_batches),
         )
         self.arenas = ServerArenas()
-        self._sock: zmq.asyncio.Socket | None = None
+        self._sock: zmq.Socket[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
@@ -147,7 +155,8 @@ class CacheServer:
             raise RuntimeError("CacheServer.start() called twice")
         if self._ctx is None:
             self._ctx = zmq.asyncio.Context()
-        sock = self._ctx.socket(zmq.ROUTER)
+        # A plain socket on the asyncio context: the loop watches its FD (see _readable).
+        sock: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         # A frame larger than the whole message may be cannot be answered: ZMQ drops its connection.
         sock.setsockopt(zmq.MAXMSGSIZE, self._max_bytes)
@@ -169,10 +178,11 @@ class CacheServer:
         except BaseException:
             await self.stop()
             raise
-        self._loops = [
-            asyncio.create_task(self._serve(sock), name="cache-server"),
-            asyncio.create_task(self._sweep_arenas(), name="cache-server-arenas"),
-        ]
+        loop = asyncio.get_running_loop()
+        loop.add_reader(sock.fileno(), self._readable)
+        self._reading = True
+        loop.call_soon(self._readable)  # the FD signals changes only: read what may already be queued
+        self._loops = [asyncio.create_task(self._sweep_arenas(), name="cache-server-arenas")]
         log.info(
             "cache server %s on %s%s%s",
             self.node,
@@ -182,6 +192,9 @@ class CacheServer:
         )
 
     async def stop(self) -> None:
+        if self._reading and self._sock is not None:  # no new requests; tasks still send their replies
+            self._reading = False
+            asyncio.get_running_loop().remove_reader(self._sock.fileno())
         loops, self._loops = self._loops, []
         for task in loops:
             task.cancel()
@@ -218,19 +231,31 @@ class CacheServer:
 
     # -- the request loop
 
-    async def _serve(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart(copy=False)
-            await self._slots.acquire()
-            task = asyncio.create_task(self._handle(sock, frames))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+    def _readable(self) -> None:
+        """Receive and start every request waiting. ZMQ's FD signals a change, not a level: read until
+        EAGAIN, and read again after sending (a send can consume the signal of a request that arrived)."""
+        self._read_scheduled = False
+        sock = self._sock
+        for _ in range(_READ_BATCH):
+            if sock is None or not self._reading or len(self._tasks) >= self._max_tasks:
+                return  # full: _done reads again when a task ends
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_request(sock, frames)
+        self._read_soon()  # more may wait: let other callbacks (replies of tasks, events) run first
+
+    def _read_soon(self) -> None:
+        if not self._read_scheduled:
+            self._read_scheduled = True
+            asyncio.get_running_loop().call_soon(self._readable)
 
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._slots.release()
+        self._read_soon()
 
-    async def _handle(self, sock: zmq.asyncio.Socket, frames: list[zmq.Frame]) -> None:
+    def _on_request(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         envelope: list[bytes] = [frames[0].bytes]
         rest = frames[1:]
         if rest and len(rest[0]) == 0:  # a REQ client's delimiter
@@ -239,7 +264,6 @@ class CacheServer:
         started = time.perf_counter()
         op = "invalid"
         request_id = 0
-        payloads: _Frames = []
         try:
             if sum(len(frame) for frame in rest) > self._max_bytes:
                 raise ProtocolError(
@@ -253,22 +277,57 @@ class CacheServer:
             request = decode_request(rest[0].buffer)
             op, request_id = str(request.__struct_config__.tag), request.id
             self._authenticate(rest[0].buffer, rest[1].buffer, request.id)
-            reply, payloads = await self._dispatch(request, rest[2:])
-            self.metrics.child(self.metrics.requests, op, "ok").inc()
-        except ProtocolError as e:
-            reply = ErrorReply(id=e.request_id, code=e.code, message=e.message)
-            self.metrics.protocol_errors.labels(e.code).inc()
-            self.metrics.requests.labels(op, "error").inc()
-        except Exception as e:  # a handler bug must not stop the server
-            reply = ErrorReply(id=request_id, code=ErrorCode.INTERNAL, message=f"{type(e).__name__}: {e}")
-            self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
-            self.metrics.requests.labels(op, "error").inc()
-            log.exception("cache server: %s request failed", op)
+            if not isinstance(request, Put) and len(rest) > 2:
+                extra = f"{len(rest) - 2} unexpected payload frame(s)"
+                raise ProtocolError(ErrorCode.MALFORMED, extra, request_id)
+            answer = self._answer_now(request, rest[2:])
+        except Exception as e:
+            self._reply(sock, envelope, op, started, self._failure(e, op, request_id), [])
+            return
+        if answer is not None:
+            self._reply(sock, envelope, op, started, *answer)
+            return
+        task = asyncio.create_task(self._answer_later(sock, envelope, op, started, request))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    async def _answer_later(
+        self, sock: zmq.Socket[bytes], envelope: list[bytes], op: str, started: float, request: Request
+    ) -> None:
+        try:
+            reply, payloads = await self._dispatch(request)
+        except Exception as e:
+            reply, payloads = self._failure(e, op, request.id), []
+        self._reply(sock, envelope, op, started, reply, payloads)
+        self._read_soon()
+
+    def _failure(self, error: Exception, op: str, request_id: int) -> ErrorReply:
+        """The error reply for a request that raised (counted; a handler bug is logged with its trace)."""
+        if isinstance(error, ProtocolError):
+            self.metrics.protocol_errors.labels(error.code).inc()
+            return ErrorReply(id=error.request_id, code=error.code, message=error.message)
+        self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
+        log.error("cache server: %s request failed", op, exc_info=error)
+        return ErrorReply(id=request_id, code=ErrorCode.INTERNAL, message=f"{type(error).__name__}: {error}")
+
+    def _reply(
+        self,
+        sock: zmq.Socket[bytes],
+        envelope: list[bytes],
+        op: str,
+        started: float,
+        reply: Reply,
+        payloads: _Frames,
+    ) -> None:
+        error = isinstance(reply, ErrorReply)
+        self.metrics.child(self.metrics.requests, op, "error" if error else "ok").inc()
         self.metrics.child(self.metrics.operation_seconds, op).observe(time.perf_counter() - started)
         if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
             self._errors_log.warning("cache server: error reply %s: %s", reply.code, reply.message)
+        if sock is not self._sock:
+            return  # stopped meanwhile
         try:
-            await sock.send_multipart([*envelope, encode(reply), *payloads], copy=False)
+            sock.send_multipart([*envelope, encode(reply), *payloads], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as e:
             self.metrics.protocol_errors.labels("dropped").inc()
             self._errors_log.warning("cache server: cannot send a %s reply: %s", op, e)
@@ -287,26 +346,34 @@ class CacheServer:
                 ErrorCode.AUTH, "wrong mac: the client's secret is not the server's", request_id
             )
 
-    async def _dispatch(self, request: Request, frames: Sequence[zmq.Frame]) -> tuple[Reply, _Frames]:
+    def _answer_now(self, request: Request, frames: Sequence[zmq.Frame]) -> tuple[Reply, _Frames] | None:
+        """The reply of a request that needs no I/O, or None: then `_dispatch` it in a task."""
         rid = request.id
-        if not isinstance(request, Put) and frames:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{len(frames)} unexpected payload frame(s)", rid)
         match request:
+            case Lookup():
+                keys = self._key_bytes(request.keys, rid)
+                found = self.store.lookup_now(keys)
+                return None if found is None else (self._lookup_reply(rid, len(keys), *found), [])
+            case Put():
+                return self._put(request, frames), []
             case Hello():
                 return self._hello(request), []
+            case Stats():
+                return StatsReply(id=rid, node=self.node, stats=self._stats()), []
+        return None
+
+    async def _dispatch(self, request: Request) -> tuple[Reply, _Frames]:
+        rid = request.id
+        match request:
             case Lookup():
-                keys = self._keys(request.keys, rid)
+                keys = self._key_bytes(request.keys, rid)
                 count, tiers = await self.store.lookup(keys)
-                self.metrics.child(self.metrics.lookup_chunks, "hit").inc(count)
-                self.metrics.child(self.metrics.lookup_chunks, "miss").inc(len(keys) - count)
-                return LookupReply(id=rid, count=count, tiers=tiers), []
+                return self._lookup_reply(rid, len(keys), count, tiers), []
             case Exists():
-                present = await self.store.exists(self._keys(request.keys, rid))
+                present = await self.store.exists(self._key_bytes(request.keys, rid))
                 return ExistsReply(id=rid, present=present), []
             case Get():
                 return await self._get(request)
-            case Put():
-                return await self._put(request, frames), []
             case Evict():
                 removed = await self.store.delete(self._keys(request.keys, rid))
                 return EvictReply(id=rid, removed=removed), []
@@ -315,9 +382,12 @@ class CacheServer:
                 if self.events is not None:
                     self.events.cleared()
                 return ClearReply(id=rid), []
-            case Stats():
-                return StatsReply(id=rid, node=self.node, stats=self._stats()), []
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
+
+    def _lookup_reply(self, rid: int, asked: int, count: int, tiers: list[str]) -> LookupReply:
+        self.metrics.child(self.metrics.lookup_chunks, "hit").inc(count)
+        self.metrics.child(self.metrics.lookup_chunks, "miss").inc(asked - count)
+        return LookupReply(id=rid, count=count, tiers=tiers)
 
     def _hello(self, request: Hello) -> HelloReply:
         reply = HelloReply(
@@ -367,7 +437,7 @@ class CacheServer:
         self.metrics.payload_bytes.labels("get", "socket").inc(framed)
         return GetReply(id=rid, sizes=sizes, offsets=offsets, more=more), frames
 
-    async def _put(self, request: Put, frames: Sequence[zmq.Frame]) -> PutReply:
+    def _put(self, request: Put, frames: Sequence[zmq.Frame]) -> PutReply:
         rid = request.id
         keys = self._keys(request.keys, rid)
         n = len(keys)
@@ -435,11 +505,18 @@ class CacheServer:
     # -- helpers
 
     def _keys(self, raw: bytes, rid: int) -> list[ChunkKey]:
+        self._check_key_count(raw, rid)
+        return split_keys(raw, rid)
+
+    def _key_bytes(self, raw: bytes, rid: int) -> tuple[bytes, ...]:
+        self._check_key_count(raw, rid)
+        return key_bytes(raw, rid)
+
+    def _check_key_count(self, raw: bytes, rid: int) -> None:
         if len(raw) > self._max_keys * KEY_BYTES:
             raise ProtocolError(
                 ErrorCode.TOO_LARGE, f"{len(raw) // KEY_BYTES} keys is over max_keys={self._max_keys}", rid
             )
-        return split_keys(raw, rid)
 
     def _arena(
         self, name: str | None, offset: int, size: int, rid: int, *, check: bool = True

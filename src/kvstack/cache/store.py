@@ -3,7 +3,8 @@
 - ``lookup(keys)``: the longest consecutive prefix of ``keys`` held anywhere, and a tier holding each chunk.
   A chunk may sit in any tier (chunk 0 in memory, chunk 1 only on disk), only the prefix must be unbroken.
   Tiers are asked in order and the search restarts at the top after each run, so runs are attributed to the
-  highest tier holding their first chunk; no payload is read.
+  highest tier holding their first chunk; no payload is read. ``lookup_now`` answers the same without
+  awaiting when every tier it asks can (memory, the disk index), else None.
 - ``get(keys)``: the payloads of the longest consecutive prefix that could be read and verified (it can be
   shorter than ``lookup`` said, when an entry was evicted or found corrupt meanwhile). A chunk read from a
   lower tier is promoted: copied into memory.
@@ -107,13 +108,31 @@ class TieredStore:
 
     # -- reads
 
-    async def lookup(self, keys: Sequence[ChunkKey]) -> tuple[int, list[str]]:
+    async def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
         """(n, the name of a tier holding each of ``keys[:n]``) for the longest consecutive prefix held."""
         where: list[str] = []
         while len(where) < len(keys):
             rest = keys[len(where) :]
             for tier in self.tiers:
-                run = await tier.contains(rest)
+                run = tier.contains_now(rest)
+                if run is None:
+                    run = await tier.contains(rest)
+                if run:
+                    where.extend([tier.name] * run)
+                    break
+            else:
+                break
+        return len(where), where
+
+    def lookup_now(self, keys: Sequence[bytes]) -> tuple[int, list[str]] | None:
+        """`lookup` without awaiting, or None when a tier it must ask needs I/O (Redis): await `lookup`."""
+        where: list[str] = []
+        while len(where) < len(keys):
+            rest = keys[len(where) :]
+            for tier in self.tiers:
+                run = tier.contains_now(rest)
+                if run is None:
+                    return None
                 if run:
                     where.extend([tier.name] * run)
                     break
@@ -144,7 +163,7 @@ class TieredStore:
                 self._promotions += 1
         return prefix
 
-    async def exists(self, keys: Sequence[ChunkKey]) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """Whether each of ``keys`` is held by some tier (no payload is read)."""
         found = [False] * len(keys)
         for tier in self.tiers:

@@ -83,8 +83,15 @@ class Tier(ABC):
         """Release everything ``start`` acquired; pending work is finished or dropped, never left running."""
 
     @abstractmethod
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
-        """How many of ``keys``, from the first, are present consecutively (no payload is read)."""
+    async def contains(self, keys: Sequence[bytes]) -> int:
+        """How many of ``keys``, from the first, are present consecutively (no payload is read).
+
+        Keys may be plain 32-byte ``bytes``: a `ChunkKey` hashes and compares as its bytes."""
+
+    def contains_now(self, keys: Sequence[bytes]) -> int | None:
+        """`contains` answered without I/O or awaiting, or None when this tier cannot (then await
+        `contains`). Memory and the disk index answer from process memory; Redis cannot."""
+        return None
 
     @abstractmethod
     async def get(self, key: ChunkKey) -> Payload | None:

@@ -88,7 +88,7 @@ class MemoryTier(Tier):
 
     # -- sync core
 
-    def contains_sync(self, keys: Sequence[ChunkKey]) -> int:
+    def contains_sync(self, keys: Sequence[bytes]) -> int:
         n = 0
         for key in keys:
             if key not in self._entries:
@@ -206,7 +206,10 @@ class MemoryTier(Tier):
     async def close(self) -> None:
         self.clear_sync()
 
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+    async def contains(self, keys: Sequence[bytes]) -> int:
+        return self.contains_sync(keys)
+
+    def contains_now(self, keys: Sequence[bytes]) -> int:
         return self.contains_sync(keys)
 
     async def get(self, key: ChunkKey) -> Payload | None:

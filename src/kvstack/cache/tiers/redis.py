@@ -123,7 +123,7 @@ class RedisTier(Tier):
 
     # -- Tier interface
 
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+    async def contains(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
 
@@ -251,7 +251,7 @@ class RedisTier(Tier):
 
     # -- internals
 
-    def _key(self, key: ChunkKey) -> bytes:
+    def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
     def _unpack(self, key: ChunkKey, value: bytes, name: bytes, corrupt: list[bytes]) -> memoryview | None:
