@@ -252,13 +252,31 @@ async def test_disk_batches_use_at_most_io_threads_jobs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("fsync", ["never", "data", "always"])
 async def test_disk_fsync_policies_write_the_same_files(tmp_path: Path, fsync: str) -> None:
-    tier = DiskTier(tmp_path, 1 << 20, fsync=fsync)  # type: ignore[arg-type]
+    tier = DiskTier(tmp_path, 1 << 20, fsync=fsync, io_threads=2)  # type: ignore[arg-type]
     await tier.start()
     assert await tier.put(key(1), payload(1, 3000))
     assert bytes(await tier.get(key(1)) or b"") == payload(1, 3000)
+    # A batch: every file written, synced and renamed; nothing temporary left behind.
+    assert await tier.put_many([(key(i), payload(i, 2000 + i)) for i in range(2, 12)]) == 10
+    got = await tier.get_many([key(i) for i in range(1, 12)])
+    assert [bytes(g or b"") for g in got] == [payload(1, 3000), *(payload(i, 2000 + i) for i in range(2, 12))]
+    assert not files(tmp_path, "*.tmp") and len(files(tmp_path, "*.kv")) == 11
     await tier.close()
     with pytest.raises(ValueError, match="fsync"):
         DiskTier(tmp_path, 1, fsync="sometimes")  # type: ignore[arg-type]
+
+
+async def test_disk_a_failed_write_in_a_batch_drops_only_that_chunk(tmp_path: Path) -> None:
+    tier = DiskTier(tmp_path, 1 << 20, fsync="data", io_threads=1)
+    await tier.start()
+    chunk_path(tmp_path, key(3)).mkdir()  # chunk 3's file cannot be renamed into place
+    assert await tier.put_many([(key(i), payload(i, 500)) for i in range(2, 6)]) == 3
+    assert await tier.contains([key(2)]) == 1 and await tier.contains([key(3)]) == 0
+    assert await tier.contains([key(4), key(5)]) == 2
+    stats = tier.stats()
+    assert stats.errors == 1 and stats.write_drops == 1 and stats.entries == 3
+    assert not files(tmp_path, "*.tmp")
+    await tier.close()
 
 
 async def test_disk_lru_budget_deletes_files(tmp_path: Path) -> None:

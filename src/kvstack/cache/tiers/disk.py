@@ -6,22 +6,36 @@ thousands of entries each). A file is one `record` (64-byte header with magic, v
 xxh3_128 of the payload, then the payload).
 
 Writes go to ``.<hex>.<pid>.<n>.tmp`` in the same directory, then ``os.replace`` onto the final name, so a
-reader (or a restart after ``kill -9``) sees either the old file, the complete new one, or none. ``fsync``:
+reader (or a restart after ``kill -9``) sees either the old file, the complete new one, or none: a chunk is
+never served partial or corrupt whatever the policy (the checksum is verified on every read). What a
+``put`` that returned True guarantees, by ``fsync`` policy:
 
 - ``never``: no fsync. A killed process loses nothing it renamed (the page cache survives it); a machine
-  crash may leave renamed files empty or torn, which the checksum rejects on read.
-- ``data``: fsync each file before the rename, so a renamed file's bytes survive a machine crash (its
-  directory entry may not: the chunk is then just missing).
-- ``always``: ``data`` plus an fsync of the directory after the rename, so the entry survives too.
+  crash or power loss may lose any chunk written since the kernel last wrote back (ext4: up to ~30 s), or
+  leave its file empty or torn, which the checksum rejects on read (a miss, not bad data).
+- ``data``: each file's data is on the disk (``fdatasync``) before it is renamed, so a chunk survives a
+  machine crash if its name does; the rename itself is not synced (it reaches the disk with the file
+  system's next journal commit, ext4: within ~5 s), so a crash right after the put may lose the chunk,
+  never corrupt it.
+- ``always``: ``data`` plus an fsync of the directory after the rename: the chunk survives a machine crash.
 
-Reads map the file read-only (``MAP_POPULATE``: one fault-in of the whole file) and check the header, the
-length against the file size and the checksum on the mapping; a hit returns a read-only view of the mapped
-payload, with no copy and no zeroed buffer. The view keeps its mapping alive, and the tier never changes a
-file in place (it replaces by rename and deletes by unlink), so a view already returned keeps the verified
-bytes even if the chunk is later evicted, deleted or rewritten: the mapping holds the old inode. Something
-else truncating a chunk file in place while a view is held would make reading that view fault (SIGBUS). A
-corrupt or truncated file is deleted, counted in ``corrupt`` and read as a miss. A hit also bumps the file's
-mtime, which is the LRU order a restart recovers.
+A batch (``put_many``) writes all its temp files first and starts their writeback together
+(``sync_file_range``), then ``fdatasync`` s and renames each: the guarantees above hold per file, but one
+journal commit covers most of the batch instead of one commit per file (with ``always``, each directory is
+synced once per batch).
+
+Reads map the file read-only and check the header, the length against the file size and the checksum on
+the mapping (the checksum pass faults the pages in: 10-30% faster for warm 1 MiB files than
+``MAP_POPULATE``, the same cold); a hit returns a read-only view of the mapped payload, with no copy and no
+zeroed buffer. (Reading small files with ``pread`` into a new ``bytes`` was tried: in the tier's threads it
+is ~5x slower than mapping, as glibc hands each thread's freed buffers back to the OS and every read faults
+in fresh pages; into reused buffers it was no faster than mapping.) The view
+keeps its mapping alive, and the tier never changes a file in place (it replaces by rename and deletes by
+unlink), so a view already returned keeps the verified bytes even if the chunk is later evicted, deleted or
+rewritten: the mapping holds the old inode. Something else truncating a chunk file in place while a view is
+held would make reading that view fault (SIGBUS). A corrupt or truncated file is deleted, counted in
+``corrupt`` and read as a miss. A hit also bumps the file's mtime, which is the LRU order a restart
+recovers.
 
 Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
 files whose name or header is invalid are deleted, the rest are indexed oldest mtime first; then the budget
@@ -37,6 +51,8 @@ loop.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import itertools
 import logging
 import mmap
@@ -49,7 +65,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
@@ -63,7 +79,7 @@ FsyncPolicy = Literal["never", "data", "always"]
 _SUFFIX = ".kv"
 _NAME = re.compile(r"[0-9a-f]{64}\.kv")
 _SHARDS = [f"{n:02x}" for n in range(256)]
-_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # MAP_POPULATE: Linux only
+_SYNC_FILE_RANGE_WRITE = 2
 _T = TypeVar("_T")
 
 
@@ -154,7 +170,10 @@ class DiskTier(Tier):
 
     # -- Tier interface
 
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+    async def contains(self, keys: Sequence[bytes]) -> int:
+        return self.contains_now(keys)
+
+    def contains_now(self, keys: Sequence[bytes]) -> int:
         n = 0
         for key in keys:
             if key not in self._index:
@@ -320,52 +339,83 @@ class DiskTier(Tier):
         return [self._read_file(key) for key in keys]
 
     def _write_batch(self, writes: Sequence[_PendingWrite]) -> list[_Write]:
-        return [self._write_file(write) for write in writes]
+        """Write each chunk to a temp file, sync it as the policy says, rename it into place."""
+        results = [_Write(write.file_bytes) for write in writes]
+        synced = self.fsync != "never"
+        written: list[tuple[_Write, Path, Path, int]] = []  # result, temp path, final path, fd
+        for write, result in zip(writes, results, strict=True):
+            self._unlink_all(write.doomed)
+            path = self._path(write.key)
+            tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as e:
+                self._failed_write(result, e, path)
+                continue
+            try:
+                _write_all(fd, [memoryview(pack_header(write.key, write.payload)), write.payload])
+                if synced:
+                    _start_writeback(fd)
+            except OSError as e:
+                os.close(fd)
+                self._failed_write(result, e, path, tmp)
+                continue
+            written.append((result, tmp, path, fd))
+        # Every file's writeback was started above, so the first fdatasync's journal commit covers most of
+        # the batch and the others mostly wait for data already on its way: not one commit per file.
+        renamed: list[tuple[_Write, Path]] = []
+        for result, tmp, path, fd in written:
+            try:
+                try:
+                    if synced:
+                        os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+                os.replace(tmp, path)
+            except OSError as e:
+                self._failed_write(result, e, path, tmp)
+                continue
+            renamed.append((result, path))
+        if self.fsync == "always":
+            for parent in {path.parent for _, path in renamed}:
+                try:
+                    _fsync_dir(parent)
+                except OSError as e:
+                    for result, path in renamed:
+                        if path.parent == parent:
+                            self._failed_write(result, e, path)
+        return results
+
+    def _failed_write(self, result: _Write, error: OSError, path: Path, tmp: Path | None = None) -> None:
+        result.error = error
+        if tmp is not None:
+            self._unlink(tmp)
+        self._unlink(path)  # an older version is no longer indexed: do not leave it behind
 
     def _read_file(self, key: ChunkKey) -> _Read:
         path = self._path(key)
         try:
-            with open(path, "rb", buffering=0) as f:
-                file_bytes = os.fstat(f.fileno()).st_size
-                if file_bytes < HEADER_BYTES:
-                    raise CorruptRecord(
-                        f"file of {file_bytes} bytes is shorter than its {HEADER_BYTES}-byte header"
-                    )
-                mapping = mmap.mmap(f.fileno(), file_bytes, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
-            data = _verified_payload(key, mapping)
-            with suppress(OSError):  # recency is a hint; a read-only disk still serves
-                os.utime(path)
-            return _Read(data=data, file_bytes=file_bytes)
+            fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
             return _Read()
+        except OSError as e:
+            return _Read(error=e)
+        try:
+            file_bytes = os.fstat(fd).st_size
+            if file_bytes < HEADER_BYTES:
+                raise CorruptRecord(f"file of {file_bytes} bytes, shorter than a {HEADER_BYTES}-byte header")
+            mapping = mmap.mmap(fd, file_bytes, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            data = _verified_payload(key, mapping)
+            with suppress(OSError):  # recency is a hint; a read-only disk still serves
+                os.utime(fd)
+            return _Read(data=data, file_bytes=file_bytes)
         except CorruptRecord as e:
             self._unlink(path)
             return _Read(corrupt=str(e))
         except OSError as e:
             return _Read(error=e)
-
-    def _write_file(self, write: _PendingWrite) -> _Write:
-        self._unlink_all(write.doomed)
-        path = self._path(write.key)
-        tmp = path.with_name(f".{path.stem}.{os.getpid()}.{next(self._tmp_seq)}.tmp")
-        header = pack_header(write.key, write.payload)
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            try:
-                _write_all(fd, memoryview(header))
-                _write_all(fd, write.payload)
-                if self.fsync != "never":
-                    os.fdatasync(fd)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-            if self.fsync == "always":
-                _fsync_dir(path.parent)
-        except OSError as e:
-            self._unlink(tmp)
-            self._unlink(path)  # an older version is no longer indexed: do not leave it behind
-            return _Write(write.file_bytes, error=e)
-        return _Write(write.file_bytes)
+        finally:
+            os.close(fd)
 
     def _unlink_all(self, keys: Sequence[ChunkKey]) -> None:
         for key in keys:
@@ -467,10 +517,34 @@ def _slices(items: Sequence[_T], n: int) -> Iterator[Sequence[_T]]:
         yield items[len(items) * i // n : len(items) * (i + 1) // n]
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
+def _write_all(fd: int, parts: list[memoryview]) -> None:
+    while parts:
+        written = os.writev(fd, parts)
+        while parts and written >= parts[0].nbytes:
+            written -= parts[0].nbytes
+            parts = parts[1:]
+        if written:
+            parts[0] = parts[0][written:]
+
+
+@functools.cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range (Linux), or None where there is none."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], call)
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to the disk without waiting (a hint: fdatasync still decides)."""
+    call = _sync_file_range()
+    if call is not None:
+        call(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_dir(path: Path) -> None:
