@@ -34,9 +34,14 @@ Measured:
   faults) and bare *get* (a read-only view, no copy: cost per call) are shown.
 - `CacheServer` (a ``kvstack cache-server`` process, memory tier only) with `CacheClient` (sync) and
   `AsyncCacheClient` (``--async-concurrency`` requests in flight), over shared memory and over the socket
-  (tcp 127.0.0.1); each request carries ``--request-mib`` of chunks. *put*, *get* (payloads delivered: views
-  of the client's arena after the server's copy, or of the received frames) and *get + copy out*. Judged:
-  put and get over shared memory; the socket and get + copy (two copies by design) are shown.
+  (tcp 127.0.0.1); each request carries ``--request-mib`` of chunks. *put(bytes)* (the client copies each
+  payload into its arena, the server copies it into its tier), *reserve + put* (``CacheClient.reserve``
+  hands out arena regions, the producer writes into them, put sends their offsets: only the server's copy;
+  the fill is not timed, since a producer writes its output somewhere anyway, here straight into shared
+  memory, as the vLLM connector's save does), *get* (payloads delivered: views of the client's arena after
+  the server's copy, or of the received frames) and *get + copy out*. Judged: reserve + put and get over
+  shared memory (one copy each, the paths a producer and a consumer use); put(bytes) and get + copy (two
+  copies by design) and the socket are shown.
 - Lookup: ``chunk_keys`` of a 32,768-token prompt (a Python list, as a tokenizer returns it) plus a
   ``CacheClient.lookup`` round trip (128 chunks, all held), judged together; each part alone, the async
   client's round trip and ``TieredStore.lookup`` in process are shown, and the floor any ZMQ server has here:
@@ -471,8 +476,15 @@ async def server_pass(
     batches: Sequence[tuple[int, int]],
     concurrency: int,
 ) -> float:
-    """Seconds for one pass of ``op`` (put, get, get_copy) over every batch of ``keys``."""
+    """Seconds for one pass of ``op`` (put, reserve_put, get, get_copy) over every batch of ``keys``.
+
+    ``reserve_put``: ``reserve`` arena regions, fill them from ``src`` (not timed: a producer writes its
+    output somewhere anyway, here straight into shared memory), ``put`` the reserved views; reserve and put
+    are timed. The async client reserves ``concurrency`` batches, fills them, then puts them concurrently.
+    """
     payloads = [a.data for a in src]
+    if op == "reserve_put":
+        return await reserve_put_pass(client, keys, src, batches, concurrency)
 
     def check_get(chunks: Any, lo: int, hi: int) -> None:
         if chunks is None or len(chunks) != hi - lo:
@@ -503,6 +515,60 @@ async def server_pass(
             check_get(await async_client.get(keys[lo:hi]), lo, hi)
 
     return await _async_passes(concurrency, batches, one)
+
+
+async def reserve_put_pass(
+    client: CacheClient | AsyncCacheClient,
+    keys: Sequence[ChunkKey],
+    src: Sequence[np.ndarray],
+    batches: Sequence[tuple[int, int]],
+    concurrency: int,
+) -> float:
+    """Timed seconds of reserve + put over every batch; the fill of the reserved views is not timed."""
+    timed = 0.0
+
+    def fill(reserved: Any, lo: int) -> None:
+        for j, view in enumerate(reserved):
+            np.copyto(np.frombuffer(view, dtype=np.uint8), src[lo + j])
+
+    def sizes(lo: int, hi: int) -> list[int]:
+        return [src[j].nbytes for j in range(lo, hi)]
+
+    if isinstance(client, CacheClient):
+        for lo, hi in batches:
+            t0 = time.perf_counter()
+            reserved = client.reserve(sizes(lo, hi))
+            timed += time.perf_counter() - t0
+            if reserved is None:
+                raise BenchError(f"reserve of {hi - lo} chunks failed: {client.stats.failures}")
+            fill(reserved, lo)
+            t0 = time.perf_counter()
+            ok = client.put(keys[lo:hi], list(reserved))
+            timed += time.perf_counter() - t0
+            if not ok:
+                raise BenchError(f"put of reserved views failed: {client.stats.failures}")
+        return timed
+
+    async_client = client
+    for g in range(0, len(batches), concurrency):
+        group = batches[g : g + concurrency]
+        views = []
+        for lo, hi in group:
+            t0 = time.perf_counter()
+            reserved = await async_client.reserve(sizes(lo, hi))
+            timed += time.perf_counter() - t0
+            if reserved is None:
+                raise BenchError(f"reserve of {hi - lo} chunks failed: {async_client.stats.failures}")
+            fill(reserved, lo)
+            views.append(list(reserved))
+        t0 = time.perf_counter()
+        done = await asyncio.gather(
+            *(async_client.put(keys[lo:hi], v) for (lo, hi), v in zip(group, views, strict=True))
+        )
+        timed += time.perf_counter() - t0
+        if not all(done):
+            raise BenchError(f"put of reserved views failed: {async_client.stats.failures}")
+    return timed
 
 
 async def bench_server(
@@ -569,11 +635,12 @@ async def _bench_server_sizes(
                 keys = key_sets[toggle]
                 toggle ^= 1
                 before = (client.stats.shm_bytes, client.stats.socket_bytes)
-                for op in ("put", "get", "get_copy"):
+                ops = SHM_OPS if kind.endswith("shm") else SOCKET_OPS
+                for op in ops:
                     cpu0 = process_cpu_seconds(server_pid)
                     seconds = await server_pass(client, op, keys, src, dst, batches, c_of(kind, cfg))
                     cpu = process_cpu_seconds(server_pid) - cpu0
-                    if op == "put" and control.lookup(keys) != n:
+                    if op.endswith("put") and control.lookup(keys) != n:
                         raise BenchError(f"{kind}: the server holds {control.lookup(keys)} of {n} chunks put")
                     if r:
                         samples.setdefault((kind, op), []).append(gbps(n * size, seconds))
@@ -604,7 +671,12 @@ async def _bench_server_sizes(
             route = routes[kind]
             if shm and route["socket_bytes"]:
                 raise BenchError(f"{kind}: {route['socket_bytes']} bytes went through the socket, not shm")
-            what = {"put": "put", "get": "get (views)", "get_copy": "get + copy out"}[op]
+            what = {
+                "put": "put(bytes)",
+                "reserve_put": "reserve + put (fill untimed)",
+                "get": "get (views)",
+                "get_copy": "get + copy out",
+            }[op]
             report.rows.append(
                 ratio_row(
                     "server",
@@ -614,7 +686,7 @@ async def _bench_server_sizes(
                     "GB/s",
                     "memcpy",
                     ceiling,
-                    0.5 if shm and op != "get_copy" else None,
+                    0.5 if shm and op in ("reserve_put", "get") else None,
                     {
                         "samples": values,
                         "memcpy_samples": memcpy,
@@ -629,6 +701,10 @@ async def _bench_server_sizes(
             + ", ".join(f"{k} {o} {median(v):.2f}" for (k, o), v in samples.items() if o != "get_copy")
             + " GB/s"
         )
+
+
+SOCKET_OPS = ("put", "get", "get_copy")
+SHM_OPS = ("put", "reserve_put", "get", "get_copy")  # reserve only hands out shared memory
 
 
 def c_of(kind: str, cfg: Config) -> int:
