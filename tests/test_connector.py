@@ -526,6 +526,7 @@ def test_finished_keeps_the_blocks_until_every_worker_acknowledged_the_saves() -
     assert p.finished("r") is False  # both workers done: freed at once
     assert not p.take_plan()
     assert p.num_tracked == 0
+    assert (p.num_held, p.num_finished) == (1, 2)
 
 
 def test_a_request_with_nothing_to_save_is_freed_at_once() -> None:

@@ -88,6 +88,9 @@ class ChunkPlanner:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
     disabled: str | None = None
     """Why the connector is off (then nothing is looked up, loaded or saved)."""
+    num_finished: int = 0
+    num_held: int = 0
+    """Finished requests whose blocks vLLM kept for saves in flight."""
     _matches: dict[str, _Match] = field(default_factory=dict)
     _requests: dict[str, _Tracked] = field(default_factory=dict)
     _ignored: set[str] = field(default_factory=set)
@@ -235,8 +238,10 @@ class ChunkPlanner:
         self._matches.pop(req_id, None)
         self._requests.pop(req_id, None)
         self._ignored.discard(req_id)
+        self.num_finished += 1
         if self._unacked.pop(req_id, None) is None:
             return False
+        self.num_held += 1
         self._plan.held.append(req_id)
         return True
 

@@ -29,7 +29,8 @@ failed load (a lost, corrupt or wrong-sized chunk) and the request is answered a
 loaded; under vLLM's default, "fail", such a request fails (a warning at start-up says so). A KV cache
 layout or model the connector cannot handle turns it off (logged once, and the worker tells the scheduler
 half through its worker metadata); the engine then runs as if it had no connector. ``shutdown`` sends
-what is queued for up to 5 s and drops the rest.
+what is queued for up to 5 s and drops the rest; vLLM waits for it only with ``--shutdown-timeout`` > 0
+(its default, 0, kills the workers at once: saves still queued are lost, future misses).
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -320,8 +321,16 @@ class KVStackConnector(KVConnectorBase_V1):
             planner.disable(report.disabled)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        assert self._planner is not None
-        return self._planner.finished(request.request_id), None
+        planner = self._planner
+        assert planner is not None
+        held = planner.finished(request.request_id)
+        if held and planner.num_held == 1:
+            log.info(
+                "kvstack connector: request %s finished with saves in flight; vLLM keeps its blocks until "
+                "the workers have read them (logged for the first such request only)",
+                request.request_id,
+            )
+        return held, None
 
     # ==============================
     # Worker half
