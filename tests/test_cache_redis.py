@@ -18,12 +18,16 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+import uvloop
 from blake3 import blake3
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.redis import RedisTier
+from kvstack.cache.tiers.resp import BufferPool, RespAddress, RespConnection, pack_command
 
 
 def key(i: int) -> ChunkKey:
@@ -288,3 +292,90 @@ async def test_redis_stopped_mid_run_store_keeps_serving_then_recovers(
     assert bytes(await remote.get(key(20)) or b"") == payload(20)
     await remote.clear()
     await store.stop()
+
+
+# -- the tier's own RESP connections
+
+
+async def test_resp_connection_replies_errors_pipelines_and_large_values(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    address = RespAddress.from_url(redis_server.url)
+    assert address is not None
+    conn = await RespConnection.open(address, BufferPool())
+    big = os.urandom(3 << 20)  # far larger than the scratch buffer: read straight into its own buffer
+    assert await conn.call(b"PING") == b"PONG"
+    assert await conn.call(b"SET", b"resp:big", big) == b"OK"
+    assert await conn.call(b"SET", b"resp:small", b"x") == b"OK"
+    assert await conn.call(b"INCR", b"resp:n") == 1
+    got = await conn.call(b"MGET", b"resp:small", b"resp:missing", b"resp:big")
+    assert got == [bytearray(b"x"), None, bytearray(big)]
+    assert await conn.call(b"MGET", b"resp:missing") == [None]
+    with pytest.raises(ResponseError, match="wrong number of arguments"):
+        await conn.call(b"GET")
+    # A pipeline: an error reply takes its command's place, the others are read in order.
+    frames = pack_command(b"SET", b"resp:a", b"1") + pack_command(b"INCR", b"resp:a", b"2")
+    frames += pack_command(b"GET", b"resp:a")
+    ok, error, value = await conn.send(frames, 3)
+    assert ok == b"OK" and isinstance(error, ResponseError) and value == bytearray(b"1")
+    assert conn.usable and await conn.call(b"PING") == b"PONG"
+    conn.close()
+    with pytest.raises(RedisConnectionError):
+        await conn.call(b"PING")
+    await raw.delete("resp:big", "resp:small", "resp:n", "resp:a")
+
+
+async def test_resp_connection_selects_the_url_database_and_a_cancelled_call_closes_it(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    await raw.execute_command("SELECT", 0)
+    db3 = aioredis.Redis.from_url(f"{redis_server.url[:-2]}/3")
+    await db3.set("resp:where", b"db3")
+    address = RespAddress.from_url(f"{redis_server.url[:-2]}/3")
+    assert address is not None and address.db == 3
+    conn = await RespConnection.open(address)
+    assert await conn.call(b"GET", b"resp:where") == bytearray(b"db3")
+    # BLPOP blocks server side: cancel the call; its late reply must never reach another command.
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.1):
+            await conn.call(b"BLPOP", b"resp:nothing", b"5")
+    assert not conn.usable
+    await db3.delete("resp:where")
+    await db3.aclose()
+    assert RespAddress.from_url("rediss://127.0.0.1:1/0") is None  # TLS stays with redis-py
+
+
+def test_resp_connection_on_uvloop(redis_server: RedisServer) -> None:
+    """The cache server runs on uvloop, whose transports are not asyncio.Transport subclasses."""
+
+    async def main() -> None:
+        tier = RedisTier(redis_server.url, prefix="uvloop:")
+        await tier.start()
+        items = [(key(i), payload(i, 200_000)) for i in range(3)]
+        assert await tier.put_many(items) == 3
+        got = await tier.get_many([key(i) for i in range(4)])
+        assert [None if g is None else bytes(g) for g in got] == [payload(i, 200_000) for i in range(3)] + [
+            None
+        ]
+        await tier.clear()
+        await tier.close()
+
+    uvloop.run(main())
+
+
+def test_buffer_pool_reuses_only_unreferenced_buffers() -> None:
+    pool = BufferPool(max_idle_bytes=300)
+    a = pool.take(100)
+    a[0] = 1
+    view = memoryview(a)[10:]  # a reader still holds a view of a
+    del a
+    b = pool.take(100)
+    assert b[0] == 0  # a fresh buffer: a is still referenced
+    b[0] = 2
+    del b
+    c = pool.take(100)
+    assert c[0] == 2  # b, unreferenced, is reused (not zeroed: the caller overwrites it)
+    del view
+    assert pool.take(100)[0] == 1  # a, once its view is gone
+    assert len(pool.take(1000)) == 1000  # larger than the pool keeps: lent, never kept idle
+    assert pool.idle_bytes <= 300

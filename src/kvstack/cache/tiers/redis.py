@@ -1,15 +1,19 @@
-"""The Redis/Valkey tier: chunks shared across nodes, through redis-py's asyncio client.
+"""The Redis/Valkey tier: chunks shared across nodes, through the tier's own RESP connections and redis-py.
 
 Keys: ``prefix + hex(chunk key)`` (prefix default ``kvstack:kv:``), so several caches can share one server
 and ``clear`` removes only this tier's keys. Values: one `record` (64-byte header with magic, version,
 length, key and xxh3_128 of the payload, then the payload), written with ``SET .. PX ttl`` (``ttl_s`` None:
 no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case).
 
-- ``get_many`` is one ``MGET``; ``contains`` one pipeline of ``EXISTS``. ``put_many`` is one pipeline of
-  ``SET``s (no transaction) framed here in RESP, each record's header and payload as separate buffers of one
-  bulk string: the payload is not copied into a joined value, as redis-py's ``pipe.set`` would need (one
-  buffer per value). A value that fails verification is deleted (``DEL``), counted in ``corrupt`` and a
-  miss.
+- ``get_many`` is one ``MGET``, ``put_many`` one pipeline of ``SET`` s and ``contains`` one pipeline of
+  ``EXISTS``, all through the tier's own `RespConnection` s (``kvstack.cache.tiers.resp``: each value is
+  received straight into a reused buffer, one copy instead of redis-py's five; idle connections are kept,
+  at most ``read_connections``), or through redis-py's connections for ``rediss://`` URLs. ``delete``,
+  ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py no longer reads the
+  values). The ``SET`` s (no transaction) are framed
+  here in RESP, each record's header and payload as separate buffers of one bulk string: the payload is not
+  copied into a joined value, as redis-py's ``pipe.set`` would need (one buffer per value). A value that
+  fails verification is deleted (``DEL``), counted in ``corrupt`` and a miss.
 - Connection loss or a timeout (``socket_timeout_s``) marks the tier down: from then on reads are misses and
   writes are dropped, without touching the network, counted, never raised. A background task drops the
   client's connections and ``PING``s with exponential backoff (``retry_initial_s`` doubling up to
@@ -25,7 +29,7 @@ import enum
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
@@ -37,12 +41,14 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
+from kvstack.cache.tiers.resp import BufferPool, RespAddress, RespConnection, pack_command
 
 __all__ = ["RedisTier"]
 
 log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_Frames = Sequence[bytes | memoryview]  # RESP commands, payloads as buffers of their own
 # Errors that mean "the server is not there": the tier goes down. Any other RedisError is counted only.
 _UNREACHABLE = (RedisConnectionError, RedisTimeoutError, OSError, asyncio.TimeoutError)
 
@@ -67,6 +73,7 @@ class RedisTier(Tier):
         connect_timeout_s: float = 1.0,
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
+        read_connections: int = 8,
         name: str = "redis",
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
@@ -84,6 +91,10 @@ class RedisTier(Tier):
         self._retry_initial_s = retry_initial_s
         self._retry_max_s = retry_max_s
         self._client: aioredis.Redis | None = None
+        self._address = RespAddress.from_url(url)
+        self._readers: list[RespConnection] = []  # idle connections of the get/put path
+        self._buffers = BufferPool()
+        self._max_readers = read_connections
         self._up = False
         self._reconnect: asyncio.Task[None] | None = None
         self._stats = TierStats(bytes=None, entries=None, capacity_bytes=None, up=False)
@@ -118,6 +129,7 @@ class RedisTier(Tier):
             await asyncio.gather(task, return_exceptions=True)
         client, self._client = self._client, None
         self._up = False
+        self._close_readers()
         if client is not None:
             await client.aclose()
 
@@ -126,14 +138,8 @@ class RedisTier(Tier):
     async def contains(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-
-        async def exists_each(client: aioredis.Redis) -> list[Any]:
-            async with client.pipeline(transaction=False) as pipe:
-                for key in keys:
-                    pipe.exists(self._key(key))
-                return await pipe.execute()
-
-        found = await self._guard(exists_each)
+        frames = [part for key in keys for part in pack_command(b"EXISTS", self._key(key))]
+        found = await self._guard(lambda client: self._pipeline(client, frames, len(keys)))
         if found is _FAILED:
             return 0
         n = 0
@@ -150,7 +156,7 @@ class RedisTier(Tier):
         if not keys:
             return []
         names = [self._key(key) for key in keys]
-        values = await self._guard(lambda client: client.mget(names))
+        values = await self._guard(lambda client: self._mget(client, names))
         if values is _FAILED:
             self._stats.misses += len(keys)
             return [None] * len(keys)
@@ -158,7 +164,7 @@ class RedisTier(Tier):
         corrupt: list[bytes] = []
         corrupt_keys: list[ChunkKey] = []
         for key, name, value in zip(keys, names, values, strict=True):
-            payload = None if value is None else self._unpack(key, cast(bytes, value), name, corrupt)
+            payload = None if value is None else self._unpack(key, value, name, corrupt)
             if payload is None:
                 self._stats.misses += 1
                 if value is not None:
@@ -183,22 +189,8 @@ class RedisTier(Tier):
             frames: list[bytes | memoryview] = []
             for key, data in items:
                 frames += _set_frames(self._key(key), byte_view(data), key, self._px)
-            pool = client.connection_pool
-            conn = await pool.get_connection()
-            try:
-                await conn.send_packed_command(frames)
-                results: list[Any] = []
-                for _ in items:
-                    try:
-                        results.append(await conn.read_response() == b"OK")
-                    except ResponseError as e:  # this SET failed; its reply is read, the rest follow
-                        results.append(e)
-                return results
-            except BaseException:
-                await conn.disconnect()  # unread replies must not reach the connection's next user
-                raise
-            finally:
-                await pool.release(conn)
+            replies = await self._pipeline(client, frames, len(items))
+            return [reply if isinstance(reply, ResponseError) else reply == b"OK" for reply in replies]
 
         results = await self._guard(set_each)
         if results is _FAILED:
@@ -254,8 +246,49 @@ class RedisTier(Tier):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    def _unpack(self, key: ChunkKey, value: bytes, name: bytes, corrupt: list[bytes]) -> memoryview | None:
-        view = memoryview(value)
+    async def _mget(self, client: aioredis.Redis, names: list[bytes]) -> Sequence[bytes | bytearray | None]:
+        [reply] = await self._pipeline(client, pack_command(b"MGET", *names), 1)
+        if isinstance(reply, ResponseError):
+            raise reply
+        if not isinstance(reply, list) or len(reply) != len(names):
+            raise ResponseError(f"MGET of {len(names)} keys answered {type(reply).__name__}")
+        return reply
+
+    async def _pipeline(
+        self, client: aioredis.Redis, frames: Sequence[bytes | memoryview], n: int
+    ) -> list[Any]:
+        """Send ``n`` commands framed in ``frames``; their replies, an error reply as a ResponseError. Through
+        one of the tier's own connections, or redis-py's for TLS."""
+        if self._address is None:
+            return await _redis_py_pipeline(client, frames, n)
+        conn = self._readers.pop() if self._readers else await self._open_reader()
+        try:
+            async with asyncio.timeout(self._socket_timeout_s):  # no task per call, unlike wait_for
+                replies = await conn.send(frames, n)
+        except BaseException:
+            conn.close()
+            raise
+        if conn.usable and len(self._readers) < self._max_readers:
+            self._readers.append(conn)
+        else:
+            conn.close()
+        return replies
+
+    async def _open_reader(self) -> RespConnection:
+        assert self._address is not None
+        return await asyncio.wait_for(
+            RespConnection.open(self._address, self._buffers), self._connect_timeout_s
+        )
+
+    def _close_readers(self) -> None:
+        readers, self._readers = self._readers, []
+        for conn in readers:
+            conn.close()
+
+    def _unpack(
+        self, key: ChunkKey, value: bytes | bytearray, name: bytes, corrupt: list[bytes]
+    ) -> memoryview | None:
+        view = memoryview(value).toreadonly()
         try:
             verify_record(key, view[:HEADER_BYTES], view[HEADER_BYTES:])
         except CorruptRecord as e:
@@ -291,6 +324,7 @@ class RedisTier(Tier):
                 self._retry_max_s,
             )
         self._up = False
+        self._close_readers()  # their server is gone: new ones are opened when it is back
         if self._reconnect is None or self._reconnect.done():
             self._reconnect = asyncio.get_running_loop().create_task(self._reconnect_loop())
 
@@ -311,6 +345,27 @@ class RedisTier(Tier):
             self._up = True
             log.warning("redis tier %s: %s is reachable again", self.name, self.url)
             return
+
+
+async def _redis_py_pipeline(
+    client: aioredis.Redis, frames: Sequence[bytes | memoryview], n: int
+) -> list[Any]:
+    pool = client.connection_pool
+    conn = await pool.get_connection()
+    try:
+        await conn.send_packed_command(frames)
+        replies: list[Any] = []
+        for _ in range(n):
+            try:
+                replies.append(await conn.read_response())
+            except ResponseError as e:  # this command failed; its reply is read, the rest follow
+                replies.append(e)
+        return replies
+    except BaseException:
+        await conn.disconnect()  # unread replies must not reach the connection's next user
+        raise
+    finally:
+        await pool.release(conn)
 
 
 def _set_frames(name: bytes, payload: memoryview, key: ChunkKey, px: bytes) -> list[bytes | memoryview]:
