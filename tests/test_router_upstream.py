@@ -334,3 +334,18 @@ async def test_a_body_that_stalls_is_a_body_timeout(raw_server: ServerFactory) -
         assert pool.open_connections == 0
     finally:
         await pool.close()
+
+
+async def test_an_interim_100_continue_is_skipped(raw_server: ServerFactory) -> None:
+    server = await serve(
+        raw_server(lambda conn, req: conn.send(b"HTTP/1.1 100 Continue\r\n\r\n" + sized(b"final")))
+    )
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(server.url, "/x", [], b"", connect_timeout=2, first_byte_timeout=2)
+        assert resp.status == 200
+        assert await resp.read(within=2) == b"final"
+        resp.release()
+        assert pool.idle_connections == 1
+    finally:
+        await pool.close()

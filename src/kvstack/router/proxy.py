@@ -51,6 +51,7 @@ _DROP_REQUEST_HEADERS = frozenset(
         "host",
         "content-length",
         "authorization",
+        "expect",  # the router already read the whole body; an engine's "100 Continue" would be in the way
     }
 )
 # Bodies are relayed as the engine sent them (never decompressed), so Content-Encoding passes through.

@@ -232,6 +232,7 @@ class _Connection(asyncio.Protocol):
         self.response: UpstreamResponse | None = None
         self.headers_ready: asyncio.Future[None] | None = None
         self.got_bytes = False
+        self.interim = False
         self.closed = False
         self.uses = 0
         self.idle_since = 0.0
@@ -281,7 +282,12 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         response = self.response
         assert response is not None
-        response.status = self.parser.get_status_code()
+        status = self.parser.get_status_code()
+        if status < 200:  # "100 Continue" and other interim answers: the real one follows
+            self.interim = True
+            response.headers.clear()
+            return
+        response.status = status
         response.keep_alive = self.parser.should_keep_alive()
         length = response.header("content-length")
         if length is not None and length.isdigit():
@@ -295,6 +301,9 @@ class _Connection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         assert self.response is not None
+        if self.interim:
+            self.interim = False
+            return
         self.response._finish()
 
     # -- used by the pool and the response ----------------------------------------------------------
