@@ -13,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -292,6 +292,49 @@ async def test_redis_stopped_mid_run_store_keeps_serving_then_recovers(
     assert bytes(await remote.get(key(20)) or b"") == payload(20)
     await remote.clear()
     await store.stop()
+
+
+class Recorder:
+    """A tier listener that records what it hears."""
+
+    def __init__(self) -> None:
+        self.stored_keys: list[ChunkKey] = []
+        self.removed_keys: list[ChunkKey] = []
+
+    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        self.stored_keys += keys
+
+    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        self.removed_keys += keys
+
+    def annotation(self, key: ChunkKey) -> bytes | None:
+        return None
+
+    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
+        pass
+
+
+async def test_chunks_that_vanish_from_redis_are_reported_removed_when_found_missing(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    tier = RedisTier(redis_server.url, prefix="gone:", ttl_s=60)
+    await tier.start()
+    heard = Recorder()
+    tier.listener = heard
+    assert await tier.put_many([(key(i), payload(i)) for i in range(4)]) == 4
+    assert heard.stored_keys == [key(i) for i in range(4)]
+    # Redis drops keys on its own (TTL, maxmemory, another client): nothing tells the tier...
+    await raw.delete(f"gone:{key(1).hex()}", f"gone:{key(2).hex()}")
+    assert heard.removed_keys == []
+    # ...until a lookup or a get finds them missing; keys it never reported stored are not reported.
+    assert await tier.contains([key(0), key(1), key(9)]) == 1
+    assert heard.removed_keys == [key(1)]
+    got = await tier.get_many([key(2), key(3), key(8)])
+    assert got[0] is None and got[1] is not None and got[2] is None
+    assert heard.removed_keys == [key(1), key(2)]
+    assert await tier.contains([key(1), key(2)]) == 0 and heard.removed_keys == [key(1), key(2)]  # once
+    await tier.clear()
+    await tier.close()
 
 
 # -- the tier's own RESP connections

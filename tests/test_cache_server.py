@@ -5,6 +5,9 @@ ipc://, REQ clients, and authentication on raw frames."""
 from __future__ import annotations
 
 import asyncio
+import os
+import time
+from array import array
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -18,7 +21,7 @@ from blake3 import blake3
 
 from kvstack.cache import ChunkKey, KVLayout, TieredStore, chunk_keys
 from kvstack.cache.client import AsyncCacheClient
-from kvstack.cache.events import block_hash, medium_of
+from kvstack.cache.events import ChunkEvents, block_hash, medium_of, pack_note, unpack_note
 from kvstack.cache.protocol import (
     ErrorReply,
     Lookup,
@@ -74,12 +77,14 @@ class Events:
 
     async def subscribed(self, client: AsyncCacheClient) -> None:
         """Wait out the slow-joiner window: put probe chunks until their events arrive, then drain."""
+        probes: list[ChunkKey] = []
         for i in range(100):
             tokens = [90_000 + i] * CHUNK
             keys = chunk_keys(tokens, LAYOUT, CHUNK)
+            probes += keys
             assert await client.put(keys, [b"probe"], token_ids=[tokens])
             if await self.sock.poll(50):
-                await client.evict(keys)
+                await client.evict(probes)  # every probe: none may take room in the tiers under test
                 while await self.sock.poll(100):
                     await self.sock.recv_multipart()
                 return
@@ -213,6 +218,85 @@ async def test_memory_evictions_and_lower_tiers_publish_their_media(
         stats = await client.server_stats()
         assert stats is not None and stats["promotions"] >= 1
         sub.sock.close(linger=0)
+
+
+async def test_chunks_kept_on_disk_are_announced_after_a_restart(
+    zctx: zmq.asyncio.Context, tmp_path: Path
+) -> None:
+    tokens = list(range(1000, 1000 + 6 * CHUNK))
+    keys = chunk_keys(tokens, LAYOUT, CHUNK)
+    per_chunk = [tokens[i * CHUNK : (i + 1) * CHUNK] for i in range(6)]
+    async with (
+        serving(
+            [MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)], events_endpoint="tcp://127.0.0.1:0"
+        ) as srv,
+        AsyncCacheClient(srv.endpoint or "") as client,
+    ):
+        assert await client.put(keys[:4], [payload(i) for i in range(4)], token_ids=per_chunk[:4])
+        assert await client.put(
+            keys[4:], [payload(i) for i in (4, 5)], token_ids=per_chunk[4:], parent=keys[3]
+        )
+        await srv.store.flush()
+    # Make the files' LRU order (mtime) put children before their parents: announcements must not.
+    for age, k in enumerate(keys):
+        path = tmp_path / k.hex()[:2] / f"{k.hex()}.kv"
+        os.utime(path, ns=(time.time_ns(), 10**18 - age * 10**9))
+
+    async with serving(
+        [MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)],
+        node="n1",
+        events_endpoint="tcp://127.0.0.1:0",
+        events_replay_endpoint="tcp://127.0.0.1:0",
+    ) as srv:
+        assert srv._announcing is not None
+        await srv._announcing
+        assert srv.publisher is not None and srv.publisher.replay_endpoint is not None
+        dealer = zctx.socket(zmq.DEALER)  # a subscriber that joins later replays from seq 0
+        dealer.connect(srv.publisher.replay_endpoint)
+        await dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+        batches: list[EventBatch] = []
+        while True:
+            _, _, seq, data = await asyncio.wait_for(dealer.recv_multipart(), 2)
+            if decode_seq(seq) == -1:
+                break
+            batches.append(decode_batch(data))
+        dealer.close(linger=0)
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    assert {e.medium for e in stored} == {"DISK"}
+    assert sorted(h for e in stored for h in e.block_hashes) == sorted(block_hash(k) for k in keys)
+    locator = PrefixLocator()
+    for batch in batches:
+        locator.apply("cache:n1", batch)
+    assert locator.stats.orphans == 0 and locator.stats.malformed == 0
+    assert locator.stats.stored_blocks == 6
+
+
+def test_restored_chunks_are_announced_parents_first_and_orphans_last() -> None:
+    published: list[Any] = []
+    events = ChunkEvents(published.extend, chunk_size=CHUNK)
+    tokens = list(range(50, 50 + 4 * CHUNK))
+    keys = chunk_keys(tokens, LAYOUT, CHUNK)
+    notes = [
+        pack_note(keys[i - 1] if i else None, array("I", tokens[i * CHUNK : (i + 1) * CHUNK]))
+        for i in range(4)
+    ]
+    disk = DiskTier("/nonexistent", 1)
+    orphan = chunk_keys(list(range(900, 900 + 2 * CHUNK)), LAYOUT, CHUNK)
+    orphan_note = pack_note(orphan[0], array("I", range(900 + CHUNK, 900 + 2 * CHUNK)))
+
+    async def run() -> None:
+        # Children before parents, across batches, plus a chunk whose parent never comes.
+        events.restored(disk, [(keys[3], notes[3]), (orphan[1], orphan_note), (keys[1], notes[1])], False)
+        events.restored(disk, [(keys[2], notes[2]), (keys[0], notes[0]), (keys[0], b"bad note")], False)
+        events.restored(disk, [], True)
+        await asyncio.sleep(0)
+
+    asyncio.run(run())
+    hashes = [h for e in published for h in e.block_hashes]
+    assert hashes == [block_hash(k) for k in keys] + [block_hash(orphan[1])]
+    assert isinstance(published[0], BlockStored) and published[0].token_ids == tokens  # one chained event
+    assert unpack_note(notes[0], CHUNK) == (None, array("I", tokens[:CHUNK]))
+    assert unpack_note(notes[0], CHUNK + 1) is None
 
 
 class DictTier(Tier):

@@ -539,3 +539,61 @@ async def test_store_rejects_a_store_without_memory_first(tmp_path: Path) -> Non
         TieredStore([DiskTier(tmp_path, 1)])
     with pytest.raises(ValueError, match="unique"):
         TieredStore([MemoryTier(1), MemoryTier(1)])
+
+
+class NotingListener:
+    """A tier listener that annotates chunks and records what it hears."""
+
+    def __init__(self, notes: dict[ChunkKey, bytes]) -> None:
+        self.notes = notes
+        self.restored_items: list[tuple[ChunkKey, bytes]] = []
+        self.done = 0
+
+    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        pass
+
+    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        pass
+
+    def annotation(self, key: ChunkKey) -> bytes | None:
+        return self.notes.get(key)
+
+    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
+        self.restored_items += items
+        self.done += done
+
+
+async def test_disk_keeps_each_chunks_note_and_hands_it_back_after_a_restart(tmp_path: Path) -> None:
+    notes = {key(i): b"note %d" % i * (i + 1) for i in (1, 2)}
+    tier = DiskTier(tmp_path, 1 << 20)
+    await tier.start()
+    tier.listener = NotingListener(notes)
+    assert await tier.put_many([(key(i), payload(i, 3000)) for i in (1, 2, 3)]) == 3  # 3 has no note
+    assert tier.stats().bytes == sum(HEADER_BYTES + 3000 + len(n) + 16 for n in notes.values()) + (
+        HEADER_BYTES + 3000
+    )
+    assert bytes(await tier.get(key(1)) or b"") == payload(1, 3000)  # the note is not part of the payload
+    await tier.close()
+
+    again = DiskTier(tmp_path, 1 << 20)
+    await again.start()
+    assert again.stats().entries == 3
+    listener = NotingListener({})
+    again.listener = listener
+    assert await again.announce_held() == 2
+    assert sorted(listener.restored_items) == sorted(notes.items()) and listener.done == 1
+    got = await again.get_many([key(i) for i in (1, 2, 3)])
+    assert [bytes(g or b"") for g in got] == [payload(i, 3000) for i in (1, 2, 3)]
+    # A flipped note byte: the chunk is still served (its payload verifies) but no longer announced.
+    path = chunk_path(tmp_path, key(2))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + 3000] ^= 0x01
+    path.write_bytes(raw)
+    listener.restored_items.clear()
+    assert await again.announce_held() == 1 and [k for k, _ in listener.restored_items] == [key(1)]
+    assert bytes(await again.get(key(2)) or b"") == payload(2, 3000)
+    # A broken footer: the file is not a chunk file any more: a miss, deleted, counted.
+    raw[-1] ^= 0x01
+    path.write_bytes(raw)
+    assert await again.get(key(2)) is None and not path.exists() and again.stats().corrupt == 1
+    await again.close()

@@ -13,6 +13,12 @@ or ``"REMOTE"`` (any other tier: Redis), and a server ``clear`` into ``AllBlocks
   no ``BlockStored``; ``BlockRemoved`` is always sent (a router ignores hashes it never stored).
 - Consecutive chunks stored in the same tier within one event-loop turn become one ``BlockStored`` when each
   one's parent is the previous one, as vLLM batches a request's blocks.
+- Restarts: the disk tier keeps each chunk's parent key and tokens in its file (`annotation`, packed by
+  `pack_note`), and the server announces the chunks it finds there at start (`restored`: ``BlockStored``
+  DISK, parents before children), in the first batches, which later subscribers get by replay. The memory
+  tier starts empty; Redis chunks written before a restart are not announced (their values carry no tokens).
+- Removals Redis makes on its own (TTL expiry, eviction) reach subscribers as ``BlockRemoved`` REMOTE only
+  when the tier next finds such a chunk missing (see ``kvstack.cache.tiers.redis``).
 
 `EventPublisher` sends each loop turn's events as one ``EventBatch`` on a ZMQ PUB socket, in the frames vLLM
 uses (``[topic, seq, payload]``, seq from 0), with topic ``kvstack-cache/<node>``: vLLM's events have no
@@ -26,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sys
 import time
 from array import array
 from collections import OrderedDict, deque
@@ -206,6 +213,9 @@ class ChunkEvents:
         self._tokens: OrderedDict[ChunkKey, tuple[bytes | None, array[int]]] = OrderedDict()
         self._pending: list[KVEvent] = []
         self._scheduled = False
+        # Restored chunks whose parent is restored but not announced yet, by parent (see `restored`).
+        self._waiting: dict[bytes, list[ChunkKey]] = {}
+        self._waiting_keys: set[ChunkKey] = set()
 
     def remember(
         self, keys: Sequence[ChunkKey], parent: bytes | None, token_ids: Sequence[Sequence[int]]
@@ -219,9 +229,12 @@ class ChunkEvents:
                 except (OverflowError, TypeError):
                     packed = None
                 if packed is not None:
-                    self._tokens[key] = (previous, packed)
-                    self._tokens.move_to_end(key)
+                    self._keep(key, previous, packed)
             previous = key
+
+    def _keep(self, key: ChunkKey, parent: bytes | None, tokens: array[int]) -> None:
+        self._tokens[key] = (parent, tokens)
+        self._tokens.move_to_end(key)
         while len(self._tokens) > self._max:
             self._tokens.popitem(last=False)
 
@@ -254,6 +267,49 @@ class ChunkEvents:
                     )
                 )
 
+    def annotation(self, key: ChunkKey) -> bytes | None:
+        """The note a disk tier keeps with ``key``'s chunk: its parent key and token ids (see `restored`)."""
+        known = self._tokens.get(key)
+        if known is None:
+            return None
+        parent, tokens = known
+        return pack_note(parent, tokens)
+
+    def restored(self, tier: Tier, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
+        """Announce chunks a tier held before this server started (``BlockStored`` in their tier's medium),
+        each after its parent, as a router needs (a block whose parent it does not know is an orphan): a
+        chunk whose parent is neither announced nor known waits for it; those still waiting when ``done``
+        comes are announced anyway (their parent was evicted, or is in no tier)."""
+        for key, note in items:
+            unpacked = unpack_note(note, self.chunk_size)
+            if unpacked is None:
+                continue
+            parent, tokens = unpacked
+            self._keep(key, parent, tokens)
+            if parent is None or (parent in self._tokens and parent not in self._waiting_keys):
+                self._announce_restored(tier, key)
+            else:
+                self._waiting.setdefault(parent, []).append(key)
+                self._waiting_keys.add(key)
+        if done:
+            for children in list(self._waiting.values()):
+                for child in children:
+                    if child in self._waiting_keys:  # not released by an earlier one meanwhile
+                        self._waiting_keys.discard(child)
+                        self._announce_restored(tier, child)
+            self._waiting.clear()
+            self._waiting_keys.clear()
+
+    def _announce_restored(self, tier: Tier, key: ChunkKey) -> None:
+        """Announce ``key``, then every chunk that waited for it, depth first (a chain stays in order)."""
+        todo = [key]
+        while todo:
+            current = todo.pop()
+            self.stored(tier, (current,))
+            children = self._waiting.pop(current, [])
+            self._waiting_keys.difference_update(children)
+            todo.extend(reversed(children))
+
     def removed(self, tier: Tier, keys: Sequence[ChunkKey]) -> None:
         medium = medium_of(tier)
         last = self._pending[-1] if self._pending else None
@@ -277,6 +333,30 @@ class ChunkEvents:
         if not self._scheduled:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self.flush)
+
+
+_NOTE_VERSION = b"\x01"
+_NO_PARENT = bytes(32)  # a chunk key is never 32 zero bytes (chunk_keys' chain starts from them)
+
+
+def pack_note(parent: bytes | None, tokens: array[int]) -> bytes:
+    """A chunk's parent key and token ids as a disk tier keeps them: version byte, the parent (32 zero
+    bytes: none), the token ids as little-endian uint32."""
+    if sys.byteorder == "big":
+        tokens = array("I", tokens)
+        tokens.byteswap()
+    return _NOTE_VERSION + (parent if parent is not None else _NO_PARENT) + tokens.tobytes()
+
+
+def unpack_note(note: bytes, chunk_size: int) -> tuple[bytes | None, array[int]] | None:
+    """(parent, token ids) of a `pack_note` note of a full chunk; None for anything else."""
+    if len(note) != 1 + 32 + 4 * chunk_size or note[:1] != _NOTE_VERSION:
+        return None
+    tokens = array("I", note[33:])
+    if sys.byteorder == "big":
+        tokens.byteswap()
+    parent = note[1:33]
+    return (None if parent == _NO_PARENT else ChunkKey(parent)), tokens
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:

@@ -16,7 +16,8 @@
 - Payloads through the client's shared-memory arena where it offered one (``kvstack.cache.shm``), through
   frames otherwise; a get reply carries at most ``max_message_bytes`` in frames (``more`` says to ask again).
 - ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
-  ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays.
+  ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays. At start, the chunks the disk tier
+  kept are announced (``BlockStored`` DISK, from the tokens kept in their files) while requests are served.
 - ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``
   (127.0.0.1).
 
@@ -143,6 +144,7 @@ class CacheServer:
         self._sock: zmq.Socket[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
+        self._announcing: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._errors_log = ThrottledLog(log)
         self.endpoint: str | None = None
@@ -183,6 +185,8 @@ class CacheServer:
         self._reading = True
         loop.call_soon(self._readable)  # the FD signals changes only: read what may already be queued
         self._loops = [asyncio.create_task(self._sweep_arenas(), name="cache-server-arenas")]
+        if self.events is not None:  # one-off, unlike the loops; cancelled by stop if still running
+            self._announcing = asyncio.create_task(self._announce_held(), name="cache-server-announce")
         log.info(
             "cache server %s on %s%s%s",
             self.node,
@@ -196,6 +200,9 @@ class CacheServer:
             self._reading = False
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
         loops, self._loops = self._loops, []
+        if self._announcing is not None:
+            loops.append(self._announcing)
+            self._announcing = None
         for task in loops:
             task.cancel()
         await asyncio.gather(*loops, return_exceptions=True)
@@ -537,6 +544,18 @@ class CacheServer:
         if self.publisher is not None:
             stats["server"]["events_published"] = self.publisher.sent_events
         return stats
+
+    async def _announce_held(self) -> None:
+        """Announce what the tiers kept across a restart (the disk tier's chunks, with the tokens kept in
+        their files), while requests are served; subscribers that join later get it by replay."""
+        for tier in self.store.tiers:
+            try:
+                count = await tier.announce_held()
+            except Exception:
+                log.exception("cache server: announcing the chunks tier %s holds failed", tier.name)
+                continue
+            if count:
+                log.info("cache server: announced %d chunks tier %s held at start", count, tier.name)
 
     async def _sweep_arenas(self) -> None:
         while True:

@@ -12,8 +12,13 @@ A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every 
   them.
 - ``listener`` (optional, set by whoever owns the tier, e.g. the cache server) hears which chunks entered
   the tier (``stored``) and left it (``removed``: evicted, deleted, found corrupt), on the event loop,
-  synchronously. ``clear`` and the index rebuilt at start are not reported: the owner knows about a clear,
-  and chunks found at start have no origin to report. Redis TTL expiry is invisible to the tier.
+  synchronously. ``clear`` is not reported (the owner knows about it). A tier that keeps chunks across
+  restarts (disk) also keeps, with each chunk, the listener's ``annotation`` of it (for the cache server:
+  the chunk's parent key and token ids, what an admit event needs), and ``announce_held`` hands the chunks
+  it holds back to the listener with their annotations (``restored``), e.g. chunks found at start.
+  A tier whose entries can vanish without it knowing (Redis: TTL expiry, ``maxmemory`` eviction, another
+  client's delete) reports a removal when it next finds an entry it reported stored missing (a lookup or a
+  get that asks for it).
 """
 
 from __future__ import annotations
@@ -69,6 +74,15 @@ class TierListener(Protocol):
 
     def removed(self, tier: Tier, keys: Sequence[ChunkKey]) -> None: ...
 
+    def annotation(self, key: ChunkKey) -> bytes | None:
+        """What a persistent tier should keep with ``key``'s chunk for `restored` (None: nothing)."""
+        ...
+
+    def restored(self, tier: Tier, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
+        """Chunks ``tier`` holds, with the annotation kept with each (`Tier.announce_held`), in batches;
+        ``done`` on the last call."""
+        ...
+
 
 class Tier(ABC):
     """One storage tier of chunk payloads; see the module docstring for the rules."""
@@ -81,6 +95,11 @@ class Tier(ABC):
 
     async def close(self) -> None:  # noqa: B027 - optional hook
         """Release everything ``start`` acquired; pending work is finished or dropped, never left running."""
+
+    async def announce_held(self) -> int:
+        """Hand every chunk this tier holds with an annotation to ``listener.restored``; returns how many.
+        A tier that keeps no annotations (memory, Redis) has nothing to hand back."""
+        return 0
 
     @abstractmethod
     async def contains(self, keys: Sequence[bytes]) -> int:

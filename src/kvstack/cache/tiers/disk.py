@@ -3,7 +3,11 @@
 Layout: ``root/ab/<64 hex digits>.kv`` where ``ab`` is the first byte of the key: 256 shard directories, all
 created by ``start`` so a write never creates a directory (ext4's hashed directories hold hundreds of
 thousands of entries each). A file is one `record` (64-byte header with magic, version, length, key and
-xxh3_128 of the payload, then the payload).
+xxh3_128 of the payload, then the payload), optionally followed by a note: the listener's ``annotation`` of
+the chunk (for the cache server: its parent key and token ids), then a 16-byte footer (the note's length,
+its xxh3_64, ``b"KVNT"``). The note is what ``announce_held`` hands back after a restart; a note that fails
+its checksum only keeps the chunk from being announced, a broken footer makes the file invalid. (Files
+with a note are deleted as invalid by builds before notes existed.)
 
 Writes go to ``.<hex>.<pid>.<n>.tmp`` in the same directory, then ``os.replace`` onto the final name, so a
 reader (or a restart after ``kill -9``) sees either the old file, the complete new one, or none: a chunk is
@@ -38,9 +42,9 @@ held would make reading that view fault (SIGBUS). A corrupt or truncated file is
 recovers.
 
 Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
-files whose name or header is invalid are deleted, the rest are indexed oldest mtime first; then the budget
-is enforced. ``capacity_bytes`` bounds the sum of file sizes (header included), counting writes in flight;
-eviction deletes least recently used files first.
+files whose name, header or note footer is invalid are deleted, the rest are indexed oldest mtime first;
+then the budget is enforced. ``capacity_bytes`` bounds the sum of file sizes (header and note included),
+counting writes in flight; eviction deletes least recently used files first.
 
 All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
 threads) in ``close``; a ``get_many``/``put_many`` batch is split into at most ``io_threads`` jobs, since a
@@ -58,6 +62,7 @@ import logging
 import mmap
 import os
 import re
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +71,8 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, Literal, TypeVar, cast
+
+import xxhash
 
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
@@ -80,6 +87,9 @@ _SUFFIX = ".kv"
 _NAME = re.compile(r"[0-9a-f]{64}\.kv")
 _SHARDS = [f"{n:02x}" for n in range(256)]
 _SYNC_FILE_RANGE_WRITE = 2
+_NOTE_FOOTER = struct.Struct("<I8s4s")  # note length, xxh3_64 of the note, magic
+_NOTE_MAGIC = b"KVNT"
+_ANNOUNCE_BATCH = 256
 _T = TypeVar("_T")
 
 
@@ -110,6 +120,7 @@ class _PendingWrite:
 
     key: ChunkKey
     payload: memoryview
+    note: bytes | None
     file_bytes: int
     replaced: bool
     doomed: list[ChunkKey]
@@ -242,7 +253,8 @@ class DiskTier(Tier):
     def _accept(self, key: ChunkKey, data: Payload) -> _PendingWrite | None:
         """Reserve room for one put (evicting from the index), or count it dropped and return None."""
         payload = byte_view(data)
-        file_bytes = HEADER_BYTES + payload.nbytes
+        note = None if self.listener is None else self.listener.annotation(key)
+        file_bytes = HEADER_BYTES + payload.nbytes + (0 if note is None else len(note) + _NOTE_FOOTER.size)
         if self._reserved + file_bytes > self.capacity_bytes:  # too big, or writes in flight hold the room
             self._stats.write_drops += 1
             return None
@@ -252,7 +264,7 @@ class DiskTier(Tier):
         self._reserved += file_bytes
         if doomed and self.listener is not None:
             self.listener.removed(self, doomed)
-        return _PendingWrite(key, payload, file_bytes, replaced, doomed)
+        return _PendingWrite(key, payload, note, file_bytes, replaced, doomed)
 
     def _settle_batch(self, writes: Sequence[_PendingWrite], results: list[_Write] | None) -> None:
         """Index (or count as dropped) each finished write; None: the whole job failed unexpectedly."""
@@ -276,6 +288,23 @@ class DiskTier(Tier):
         self._stats.writes += 1
         if self.listener is not None:
             self.listener.stored(self, (key,))
+
+    async def announce_held(self) -> int:
+        """Hand every indexed chunk that carries a note to ``listener.restored``, oldest first, in batches
+        read in the tier's threads (the index may change meanwhile: chunks gone by then are skipped)."""
+        listener = self.listener
+        if listener is None:
+            return 0
+        keys = list(self._index)
+        announced = 0
+        for start in range(0, len(keys), _ANNOUNCE_BATCH):
+            part = keys[start : start + _ANNOUNCE_BATCH]
+            notes = await self._run(partial(self._read_notes, part))
+            items = [(k, n) for k, n in zip(part, notes, strict=True) if n is not None and k in self._index]
+            listener.restored(self, items, False)
+            announced += len(items)
+        listener.restored(self, [], True)
+        return announced
 
     async def delete(self, key: ChunkKey) -> bool:
         if key not in self._index:
@@ -352,8 +381,11 @@ class DiskTier(Tier):
             except OSError as e:
                 self._failed_write(result, e, path)
                 continue
+            parts = [memoryview(pack_header(write.key, write.payload)), write.payload]
+            if write.note is not None:
+                parts += [memoryview(write.note), memoryview(_note_footer(write.note))]
             try:
-                _write_all(fd, [memoryview(pack_header(write.key, write.payload)), write.payload])
+                _write_all(fd, parts)
                 if synced:
                     _start_writeback(fd)
             except OSError as e:
@@ -385,6 +417,16 @@ class DiskTier(Tier):
                         if path.parent == parent:
                             self._failed_write(result, e, path)
         return results
+
+    def _read_notes(self, keys: Sequence[ChunkKey]) -> list[bytes | None]:
+        notes: list[bytes | None] = []
+        for key in keys:
+            try:
+                with open(self._path(key), "rb", buffering=0) as f:
+                    notes.append(_read_header(f.fileno(), key)[3])
+            except (OSError, CorruptRecord):  # gone, or invalid: its next read deletes it
+                notes.append(None)
+        return notes
 
     def _failed_write(self, result: _Write, error: OSError, path: Path, tmp: Path | None = None) -> None:
         result.error = error
@@ -456,7 +498,7 @@ class DiskTier(Tier):
             if key is None or self._path(key).parent != shard:
                 raise CorruptRecord("not a chunk file name, or in the wrong directory")
             with open(path, "rb", buffering=0) as f:
-                _, _, file_bytes = _read_header(f.fileno(), key)
+                file_bytes = _read_header(f.fileno(), key, read_note=False)[2]
                 mtime_ns = os.fstat(f.fileno()).st_mtime_ns
         except CorruptRecord as e:
             log.warning("disk tier %s: deleting invalid chunk file %s (%s)", self.name, path, e)
@@ -483,27 +525,60 @@ def _subdirs(path: Path) -> list[Path]:
         return []
 
 
-def _read_header(fd: int, key: ChunkKey) -> tuple[bytes, int, int]:
-    """(header, payload length, file bytes) of an open chunk file; raises `CorruptRecord` when the header is
-    invalid or the file size disagrees with it."""
+def _read_header(fd: int, key: ChunkKey, *, read_note: bool = True) -> tuple[bytes, int, int, bytes | None]:
+    """(header, payload length, file bytes, note) of an open chunk file; raises `CorruptRecord` when the
+    header or the note's footer is invalid or the file size disagrees with them. The note is read (and its
+    checksum checked) only with ``read_note``."""
     file_bytes = os.fstat(fd).st_size
-    header = os.read(fd, HEADER_BYTES)
+    header = os.pread(fd, HEADER_BYTES, 0)
     length = payload_length(key, header)
-    if HEADER_BYTES + length != file_bytes:
+    record_end = HEADER_BYTES + length
+    if file_bytes < record_end:
         raise CorruptRecord(f"header says {length} payload bytes, the file holds {file_bytes - HEADER_BYTES}")
-    return header, length, file_bytes
+    if record_end == file_bytes:
+        return header, length, file_bytes, None
+    footer = os.pread(fd, _NOTE_FOOTER.size, file_bytes - _NOTE_FOOTER.size)
+    note_bytes = _note_bytes(footer, file_bytes - record_end)
+    if not read_note:
+        return header, length, file_bytes, None
+    note = os.pread(fd, note_bytes, record_end)
+    if _note_footer(note) != footer:
+        raise CorruptRecord("the chunk's note fails its checksum")
+    return header, length, file_bytes, note
+
+
+def _note_footer(note: bytes) -> bytes:
+    return _NOTE_FOOTER.pack(len(note), xxhash.xxh3_64_digest(note), _NOTE_MAGIC)
+
+
+def _note_bytes(footer: bytes | memoryview, trailing: int) -> int:
+    """The length of the note whose footer is ``footer``, given ``trailing`` bytes after the record;
+    raises `CorruptRecord` unless they are exactly a note and its footer."""
+    if trailing < _NOTE_FOOTER.size or len(footer) != _NOTE_FOOTER.size:
+        raise CorruptRecord(f"{trailing} bytes after the record, not a note")
+    length, _, magic = _NOTE_FOOTER.unpack(footer)
+    if magic != _NOTE_MAGIC or length + _NOTE_FOOTER.size != trailing:
+        raise CorruptRecord(f"{trailing} bytes after the record are not a note (magic {magic!r}, {length})")
+    return int(length)
 
 
 def _verified_payload(key: ChunkKey, mapping: mmap.mmap) -> memoryview:
     """The payload of a mapped chunk file as a read-only view that keeps the mapping alive; raises
-    `CorruptRecord` (after unmapping) unless the whole record verifies."""
+    `CorruptRecord` (after unmapping) unless the whole record verifies (a note after it must be framed
+    right; its own checksum is checked when it is read, by ``announce_held``)."""
     with memoryview(mapping) as record:
-        payload = record[HEADER_BYTES:]
+        payload: memoryview | None = None
         try:
             with record[:HEADER_BYTES] as header:
+                record_end = HEADER_BYTES + payload_length(key, header)
+                if record_end < len(record):
+                    with record[-_NOTE_FOOTER.size :] as footer:
+                        _note_bytes(footer, len(record) - record_end)
+                payload = record[HEADER_BYTES:record_end]
                 verify_record(key, header, payload)
         except BaseException:
-            payload.release()
+            if payload is not None:
+                payload.release()
             record.release()
             mapping.close()
             raise

@@ -20,6 +20,11 @@ no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lr
   ``retry_max_s``) and marks the tier up again on the first answer. redis-py's own retries are off, so a
   dead server costs one failed call, not a retry storm.
 - ``start`` never fails on an unreachable server: the tier starts down and comes up when the server does.
+- Removals Redis makes on its own (TTL expiry, ``maxmemory`` eviction, another client's ``DEL``) are not
+  pushed to the tier. It reports the removal of a chunk it reported stored (the last ``max_announced``)
+  when it next finds it missing: a ``contains`` (a lookup that reaches Redis), a ``get_many`` or a
+  ``delete``. Until then a router may credit a chunk that is gone; the get then misses, and the engine
+  recomputes.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import asyncio
 import enum
 import logging
 import re
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -74,6 +80,7 @@ class RedisTier(Tier):
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
         read_connections: int = 8,
+        max_announced: int = 65_536,
         name: str = "redis",
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
@@ -94,6 +101,10 @@ class RedisTier(Tier):
         self._address = RespAddress.from_url(url)
         self._readers: list[RespConnection] = []  # idle connections of the get/put path
         self._buffers = BufferPool()
+        # Keys reported stored to the listener, newest last: one found missing later (TTL, eviction, another
+        # client) is reported removed. Bounded: older ones are forgotten (their expiry goes unreported).
+        self._announced: OrderedDict[bytes, None] = OrderedDict()
+        self._max_announced = max_announced
         self._max_readers = read_connections
         self._up = False
         self._reconnect: asyncio.Task[None] | None = None
@@ -142,6 +153,7 @@ class RedisTier(Tier):
         found = await self._guard(lambda client: self._pipeline(client, frames, len(keys)))
         if found is _FAILED:
             return 0
+        self._gone([key for key, present in zip(keys, found, strict=True) if present == 0])
         n = 0
         for present in found:
             if present != 1:
@@ -160,6 +172,7 @@ class RedisTier(Tier):
         if values is _FAILED:
             self._stats.misses += len(keys)
             return [None] * len(keys)
+        self._gone([key for key, value in zip(keys, values, strict=True) if value is None])
         out: list[Payload | None] = []
         corrupt: list[bytes] = []
         corrupt_keys: list[ChunkKey] = []
@@ -173,6 +186,8 @@ class RedisTier(Tier):
                 self._stats.hits += 1
             out.append(payload)
         if corrupt:
+            for key in corrupt_keys:
+                self._announced.pop(key, None)
             if self.listener is not None:
                 self.listener.removed(self, corrupt_keys)
             await self._guard(lambda client: client.delete(*corrupt))
@@ -200,6 +215,11 @@ class RedisTier(Tier):
         stored = len(stored_keys)
         if stored_keys and self.listener is not None:
             self.listener.stored(self, stored_keys)
+            for key in stored_keys:
+                self._announced[key] = None
+                self._announced.move_to_end(key)
+            while len(self._announced) > self._max_announced:
+                self._announced.popitem(last=False)
         failed = [result for result in results if isinstance(result, Exception)]
         if failed:
             self._stats.errors += len(failed)
@@ -216,8 +236,12 @@ class RedisTier(Tier):
 
     async def delete(self, key: ChunkKey) -> bool:
         removed = await self._guard(lambda client: client.delete(self._key(key)))
-        if removed is _FAILED or removed == 0:
+        if removed is _FAILED:
             return False
+        if removed == 0:
+            self._gone([key])
+            return False
+        self._announced.pop(key, None)
         if self.listener is not None:
             self.listener.removed(self, (key,))
         return True
@@ -240,6 +264,17 @@ class RedisTier(Tier):
         stats = self._stats.copy()
         stats.up = self._up
         return stats
+
+    def _gone(self, keys: Sequence[bytes]) -> None:
+        """Report keys this tier reported stored and found missing since (expired, evicted, deleted by
+        another client): Redis does not tell, so this is when the tier learns it."""
+        if not self._announced:
+            return
+        gone = [ChunkKey(key) for key in keys if key in self._announced]
+        for key in gone:
+            del self._announced[key]
+        if gone and self.listener is not None:
+            self.listener.removed(self, gone)
 
     # -- internals
 
