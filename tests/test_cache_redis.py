@@ -25,9 +25,10 @@ from redis.exceptions import ResponseError
 
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier
+from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.redis import RedisTier
-from kvstack.cache.tiers.resp import BufferPool, RespAddress, RespConnection, pack_command
+from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
 
 
 def key(i: int) -> ChunkKey:

@@ -46,8 +46,9 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
-from kvstack.cache.tiers.resp import BufferPool, RespAddress, RespConnection, pack_command
+from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
 
 __all__ = ["RedisTier"]
 

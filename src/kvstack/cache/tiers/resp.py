@@ -6,9 +6,8 @@ of every chunk. Here the connection is an ``asyncio.BufferedProtocol``: headers 
 scratch buffer, and once a bulk string's length is known the socket reads its body straight into the
 value's own buffer (one copy: kernel to value).
 
-Bulk strings are received into buffers of a `BufferPool` when one is given: a buffer is lent again once
-nothing refers to it any more. Without reuse, every value is a fresh allocation that glibc maps (or grows
-the heap for) and the kernel zero-fills page by page: 1 MiB values were read ~3x slower that way.
+Bulk strings are received into buffers of a `BufferPool` (``kvstack.cache.tiers.buffers``) when one is
+given; without reuse, 1 MiB values were read ~3x slower.
 
 `RespConnection` runs one command or pipeline at a time (callers keep a pool of connections); a reply is a
 bulk string (``bytearray``), None (nil), a simple string (``bytes``), an integer, or a flat array of those.
@@ -22,7 +21,6 @@ for them).
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -31,7 +29,9 @@ from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-__all__ = ["BufferPool", "RespAddress", "RespConnection", "RespReply", "pack_command"]
+from kvstack.cache.tiers.buffers import BufferPool
+
+__all__ = ["RespAddress", "RespConnection", "RespReply", "pack_command"]
 
 RespReply = bytearray | bytes | int | None | list[Any]
 # Headers are read into the scratch with whatever follows them, and that part of a bulk string is copied
@@ -64,53 +64,6 @@ class RespAddress:
             password=parts.get("password"),
             db=int(parts.get("db", 0)),
         )
-
-
-class BufferPool:
-    """``bytearray`` s lent for received values and reused once nothing refers to them.
-
-    Whether a buffer is still referenced is read from its reference count (CPython keeps one reference per
-    live view through the view's managed buffer), as the memory tier does for its mappings. At most
-    ``max_idle_bytes`` of unreferenced buffers are kept for reuse; the rest are freed.
-    """
-
-    def __init__(self, max_idle_bytes: int = 32 << 20) -> None:
-        self._max_idle = max_idle_bytes
-        self._idle: dict[int, list[bytearray]] = {}  # by size
-        self._idle_bytes = 0
-        self._lent: list[bytearray] = []
-        probe = [bytearray(1)]
-        self._free_refs = sys.getrefcount(probe[0])  # measured: it differs across CPython versions
-
-    def take(self, size: int) -> bytearray:
-        """A buffer of exactly ``size`` bytes (contents undefined: the caller overwrites all of it)."""
-        free = self._idle.get(size)
-        if not free and self._lent:
-            self._reclaim()
-            free = self._idle.get(size)
-        if free:
-            buf = free.pop()
-            self._idle_bytes -= size
-        else:
-            buf = bytearray(size)
-        if size <= self._max_idle:
-            self._lent.append(buf)
-        return buf
-
-    @property
-    def idle_bytes(self) -> int:
-        return self._idle_bytes
-
-    def _reclaim(self) -> None:
-        lent, self._lent = self._lent, []
-        for i in range(len(lent)):
-            buf = lent[i]
-            # References here: the list slot, `buf`, getrefcount's argument; a probe measured the same.
-            if sys.getrefcount(buf) > self._free_refs + 1:
-                self._lent.append(buf)
-            elif self._idle_bytes + len(buf) <= self._max_idle:
-                self._idle.setdefault(len(buf), []).append(buf)
-                self._idle_bytes += len(buf)
 
 
 def pack_command(*args: bytes) -> list[bytes]:
