@@ -26,7 +26,7 @@ from blake3 import blake3
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import AsyncCacheClient, CacheClient
 from kvstack.cache.server import CacheServer
-from kvstack.cache.shm import HEADER_BYTES, ArenaAllocator, ClientArena
+from kvstack.cache.shm import HEADER_BYTES, ArenaAllocator, ClientArena, sweep_orphan_arenas
 from kvstack.cache.tiers import MemoryTier
 
 T = TypeVar("T")
@@ -518,6 +518,27 @@ def test_client_arena_file_lifecycle(tmp_path: Path) -> None:
     assert not os.path.exists(arena.path)
     view[:3] = b"abc"  # a view still held keeps its mapping valid after retirement
     assert bytes(view[:3]) == b"abc"
+
+
+def test_arenas_of_exited_processes_are_swept_and_no_others(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    dead_pid = int(gone.stdout)  # exited (a pid reused this fast is unlikely; then the file just stays)
+    namespace = str(os.stat("/proc/self/ns/pid").st_ino)
+    orphan = tmp_path / f"kvstack-arena-{namespace}-{dead_pid}-{'0' * 16}"
+    alive = tmp_path / f"kvstack-arena-{namespace}-{os.getpid()}-{'1' * 16}"
+    other_namespace = tmp_path / f"kvstack-arena-{int(namespace) + 1}-{dead_pid}-{'2' * 16}"
+    unrelated = tmp_path / "kvstack-arena-not-ours"
+    for path in (orphan, alive, other_namespace, unrelated):
+        path.write_bytes(b"x")
+    assert sweep_orphan_arenas(str(tmp_path)) == (0 if os.path.exists(f"/proc/{dead_pid}") else 1)
+    assert not orphan.exists() or os.path.exists(f"/proc/{dead_pid}")
+    assert alive.exists() and other_namespace.exists() and unrelated.exists()
+    # A client process sweeps before its first arena: a new arena's name carries the namespace and pid.
+    arena = ClientArena(1 << 20, directory=str(tmp_path))
+    assert arena.name.startswith(f"kvstack-arena-{namespace}-{os.getpid()}-")
+    arena.retire()
 
 
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

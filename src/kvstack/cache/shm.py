@@ -1,10 +1,10 @@
 """Shared-memory arenas: chunk payloads between a client and a cache server on the same host.
 
-An arena is a file in ``/dev/shm`` named ``kvstack-arena-<pid>-<random>`` (mode 0600), created and owned by
-one client, mapped shared by the client and the server. Its first page is a header: ``MAGIC`` and a random
-16-byte nonce. At ``hello`` the client names the arena and the nonce; the server maps the file and compares
-the nonce, which proves a shared host (and a user allowed to open the file). Any failure leaves that client
-on socket payloads.
+An arena is a file in ``/dev/shm`` named ``kvstack-arena-<pid namespace>-<pid>-<random>`` (mode 0600),
+created and owned by one client, mapped shared by the client and the server. Its first page is a header:
+``MAGIC`` and a random 16-byte nonce. At ``hello`` the client names the arena and the nonce; the server maps
+the file and compares the nonce, which proves a shared host (and a user allowed to open the file). Any
+failure leaves that client on socket payloads.
 
 Use (one memcpy each way, none on the socket):
 
@@ -28,7 +28,9 @@ client), so a full /dev/shm is an error at connect (the client then uses the soc
 on the first write into a hole. Trust: a client that truncates its arena while the server copies into it
 crashes the server with SIGBUS; arenas are for same-host clients of the same user, which is why the server
 only maps files that user owns and can open (mode 0600). A client killed with SIGKILL leaves its arena
-file behind (``kvstack-arena-<pid>-*``); remove files whose pid is gone.
+file behind; `sweep_orphan_arenas` (run by each client process before its first arena and by the server at
+start) unlinks the files of this user whose process is gone. The pid namespace in the name keeps it from
+judging files of processes it cannot see (containers that share /dev/shm but not their pids).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "ClientArena",
     "ServerArena",
     "ServerArenas",
+    "sweep_orphan_arenas",
 ]
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,40 @@ NONCE_BYTES: Final = 16
 HEADER_BYTES: Final = mmap.PAGESIZE
 ALIGN: Final = 64
 ARENA_NAME: Final = re.compile(r"kvstack-arena-[0-9A-Za-z_.-]{1,96}")
+_OWN_NAME: Final = re.compile(r"kvstack-arena-([0-9]+)-([0-9]+)-[0-9a-f]{16}")
+
+
+def _pid_namespace() -> str:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
+
+
+def sweep_orphan_arenas(directory: str = SHM_DIR) -> int:
+    """Unlink arena files left by processes of this pid namespace and user that no longer exist; how many."""
+    namespace, uid, removed = _pid_namespace(), os.getuid(), 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        match = _OWN_NAME.fullmatch(name)
+        if match is None or match.group(1) != namespace or os.path.exists(f"/proc/{match.group(2)}"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid == uid:
+                os.unlink(path)
+                removed += 1
+        except OSError:
+            continue
+    if removed:
+        log.info("removed %d shared-memory arena(s) of exited processes from %s", removed, directory)
+    return removed
+
+
+_swept: set[str] = set()  # directories this process has swept (once each)
 
 
 class ArenaError(Exception):
@@ -146,7 +183,10 @@ class ClientArena:
     def __init__(self, size: int, *, directory: str = SHM_DIR) -> None:
         if size < HEADER_BYTES + ALIGN:
             raise ValueError(f"an arena needs more than {HEADER_BYTES} bytes, got {size}")
-        self.name = f"kvstack-arena-{os.getpid()}-{secrets.token_hex(8)}"
+        if directory not in _swept:
+            _swept.add(directory)
+            sweep_orphan_arenas(directory)
+        self.name = f"kvstack-arena-{_pid_namespace()}-{os.getpid()}-{secrets.token_hex(8)}"
         self.nonce = secrets.token_bytes(NONCE_BYTES)
         self.path = os.path.join(directory, self.name)
         if not hasattr(os, "posix_fallocate"):
@@ -227,6 +267,7 @@ class ServerArenas:
     """The arenas a server has mapped, by name: at most ``max_arenas``, least recently used closed first."""
 
     def __init__(self, *, max_arenas: int = 64, directory: str = SHM_DIR) -> None:
+        sweep_orphan_arenas(directory)
         self._arenas: OrderedDict[str, ServerArena] = OrderedDict()
         self._closing: list[ServerArena] = []
         self._max = max_arenas
