@@ -199,18 +199,22 @@ def test_importing_the_package_pulls_in_no_server_or_engine_dependencies() -> No
     ("prompt", "stored_end", "end"),
     [
         (600, 512, 512),  # two stored chunks, the rest computed
-        (600, 768, 512),  # capped below the last token's block
-        (512, 512, 384),  # a whole-chunk prompt: the last block is computed
+        (512, 512, 511),  # the whole prompt stored: everything but the last token, inside the last block
         (513, 512, 512),
         (257, 256, 256),
-        (256, 256, 128),
-        (100, 256, 0),  # shorter than a block
+        (256, 256, 255),
+        (100, 0, 0),  # shorter than a chunk: nothing stored
         (600, 0, 0),
         (0, 0, 0),
     ],
 )
 def test_loadable_end_leaves_the_last_token_to_vllm(prompt: int, stored_end: int, end: int) -> None:
     assert loadable_end(prompt, stored_end, BLOCK) == end
+
+
+def test_a_stored_end_off_the_block_grid_is_a_bug_not_a_load() -> None:
+    with pytest.raises(ValueError, match="multiple of the block size"):
+        loadable_end(600, 300, BLOCK)
 
 
 def rank_keys(n: int) -> list[tuple[ChunkKey, ...]]:
@@ -244,9 +248,8 @@ def test_plan_load_copies_only_the_blocks_past_the_local_hit() -> None:
 @pytest.mark.parametrize(
     ("start", "end", "says"),
     [
-        (100, 512, "block-aligned"),
-        (0, 500, "block-aligned"),
-        (256, 256, "non-empty"),
+        (100, 512, "does not start on a block"),
+        (256, 256, "empty"),
         (0, 768, "needs chunk 2"),
     ],
 )
@@ -487,15 +490,28 @@ def test_a_resumed_request_saves_again_what_the_preemption_cancelled() -> None:
     assert [c.block_ids for c in save.chunks] == [(20, 21), (22, 23)]
 
 
-def test_a_load_vllm_cannot_align_is_reported_as_failed_blocks() -> None:
+def test_a_load_ending_inside_a_block_copies_that_block_whole() -> None:
+    store, prompt = FakeStore(), tokens(512)
+    store.hold(prompt, 2)
+    p = planner(store)
+    assert p.match("r", prompt, 0) == 511  # the whole prompt stored: vLLM computes only the last token
+    p.allocated("r", 511)
+    p.schedule_new("r", prompt, list(range(4)), 511, 1)
+    plan = p.take_plan()
+    assert plan.failed_block_ids == []
+    ((first, second),) = [load.chunks for load in plan.loads]
+    assert (first.block_ids, second.block_ids) == ((0, 1), (2, 3))  # block 3 whole; vLLM rewrites slot 511
+
+
+def test_a_load_vllm_cannot_place_is_reported_as_failed_blocks() -> None:
     store, prompt = FakeStore(), tokens(600)
     store.hold(prompt, 2)
     p = planner(store)
     assert p.match("r", prompt, 0) == 512
-    p.allocated("r", 500)  # not block-aligned: cannot be filled with whole blocks
-    p.schedule_new("r", prompt, list(range(5)), 500, 100)
+    p.allocated("r", 512)
+    p.schedule_new("r", prompt, [0, 1, 2], 512, 88)  # fewer blocks than the load needs
     plan = p.take_plan()
-    assert plan.loads == [] and plan.failed_block_ids == [0, 1, 2, 3]
+    assert plan.loads == [] and plan.failed_block_ids == [0, 1, 2]
 
 
 def test_chunk_size_must_be_whole_blocks_for_the_planner() -> None:

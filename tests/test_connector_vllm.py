@@ -57,6 +57,7 @@ def prompt(seed: int, n: int = 600) -> list[int]:
 
 MAIN, CORRUPT, DOWN, SWAPPED = prompt(1), prompt(2), prompt(3), prompt(4)
 SHORT = prompt(5, 200)
+WHOLE = prompt(7, 512)  # exactly two chunks: all stored, so B loads all but the last token
 FRESH = prompt(6)  # only ever sent to B
 CONCURRENT = [prompt(10 + i, 520 + 20 * i) for i in range(6)]  # two full chunks each
 SHARED = prompt(20, 400)  # a full chunk and part of the next
@@ -329,6 +330,7 @@ def cold(
             "down": complete(engine, DOWN),
             "swapped": complete(engine, SWAPPED),
             "short": complete(engine, SHORT),
+            "whole": complete(engine, WHOLE),
             "chat": chat(engine),
             "concurrent": complete_at_once(engine, CONCURRENT),
             "prefix-x": complete(engine, PREFIX_X),
@@ -337,7 +339,7 @@ def cold(
             "external_hits": external_hits(engine),
             "log": engine.log_path,
         }
-        wait_stored(cache_server, [MAIN, CORRUPT, DOWN, SWAPPED, *CONCURRENT, PREFIX_X])
+        wait_stored(cache_server, [MAIN, CORRUPT, DOWN, SWAPPED, WHOLE, *CONCURRENT, PREFIX_X])
     finally:
         engine.stop()
     return answers
@@ -727,6 +729,18 @@ def test_engine_b_loads_the_prompt_instead_of_computing_it(
     )
     assert_close(answer, cold["main"])
     assert answer == cold["main-warm"]  # the same split as A's local prefix hit: identical to the last bit
+
+
+def test_a_fully_stored_prompt_loads_into_its_last_block(
+    engine_b: EngineProcess, cold: dict[str, Any]
+) -> None:
+    computed = metric(engine_b, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    before = external_hits(engine_b)
+    answer = complete(engine_b, WHOLE)
+    # 512 tokens, both chunks stored: 511 loaded (the last block partly), only the last token computed.
+    assert external_hits(engine_b) - before == 511
+    assert metric(engine_b, "vllm:prompt_tokens_by_source_total", source="local_compute") == computed + 1
+    assert_close(answer, cold["whole"])
 
 
 def test_concurrent_requests_each_load_their_own_chunks(

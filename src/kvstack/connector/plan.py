@@ -7,8 +7,10 @@ the request's blocks ``block_ids[c * bpc : (c + 1) * bpc]``. Only full chunks of
 
 - Loads are planned in blocks: the local prefix hit ends on a block boundary, possibly inside a chunk, so
   a chunk is fetched whole and only its blocks past the hit are copied (``first_block``).
-- The loadable end is the store's hit (whole chunks) capped at the last block boundary before the
-  prompt's last token (`loadable_end`): vLLM must compute at least that token to sample from it.
+- The loadable end is the store's hit (whole chunks) capped just before the prompt's last token
+  (`loadable_end`): vLLM must compute at least that token to sample from it. When the store holds the whole
+  prompt, the load ends inside the last block: that block is copied whole, and the slots past the end
+  (the last token's) are written again by vLLM's forward pass.
 - A chunk is saved by the engine that computes it, once all its tokens are computed; chunks the store
   already held at lookup, and chunks that were a local prefix hit, are not saved again.
 - Saves run after the step, in the background (``kvstack.connector.saves``): a finished request whose
@@ -93,10 +95,14 @@ class StepPlan:
 
 def loadable_end(num_prompt_tokens: int, stored_end: int, block_size: int) -> int:
     """How far the prompt's KV can come from the store: ``stored_end`` (the end of the stored chunks, in
-    tokens) capped at the last block boundary before the prompt's last token."""
+    tokens, a chunk boundary) capped before the prompt's last token, which vLLM computes. The result is a
+    block boundary unless the store holds the whole prompt (then it is the prompt's length - 1)."""
     if num_prompt_tokens < 1:
         return 0
-    return max(0, min(stored_end, (num_prompt_tokens - 1) // block_size * block_size))
+    end = max(0, min(stored_end, num_prompt_tokens - 1))
+    if end % block_size and end != num_prompt_tokens - 1:  # a stored end is a chunk (so block) boundary
+        raise ValueError(f"stored end {stored_end} is not a multiple of the block size {block_size}")
+    return end
 
 
 def plan_load(
@@ -108,15 +114,16 @@ def plan_load(
     block_size: int,
     block_ids: Sequence[int],
 ) -> tuple[ChunkLoad, ...]:
-    """The chunk loads that fill tokens ``[start, end)`` (block-aligned) into ``block_ids``.
+    """The chunk loads that fill tokens ``[start, end)`` into ``block_ids``: ``start`` on a block boundary,
+    ``end`` anywhere (a last block only partly needed is copied whole).
 
     ``keys`` are the prompt's chunk keys from chunk 0; ``block_ids`` the request's blocks from block 0.
-    Raises ValueError when the range is not block-aligned or reaches past the keys or the blocks.
+    Raises ValueError when the range does not start on a block boundary or reaches past the keys or blocks.
     """
-    if start % block_size or end % block_size or not 0 <= start < end:
-        raise ValueError(f"load range [{start}, {end}) is not a non-empty block-aligned range ({block_size})")
+    if start % block_size or not 0 <= start < end:
+        raise ValueError(f"load range [{start}, {end}) is empty or does not start on a block ({block_size})")
     bpc = chunk_size // block_size
-    first_b, end_b = start // block_size, end // block_size
+    first_b, end_b = start // block_size, -(-end // block_size)
     last_chunk = (end - 1) // chunk_size
     if last_chunk >= len(keys) or end_b > len(block_ids):
         raise ValueError(
