@@ -19,6 +19,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -244,3 +247,28 @@ def start_sim(
         log_path,
         block_size=block_size,
     )
+
+
+# -- simulated engines: prompts and metrics -------------------------------------------------------------
+def fresh_prompt(tag: int, n: int) -> list[int]:
+    """Token ids keyed by ``tag`` (distinct first block per tag), avoiding the special ids 0-2."""
+    return [3 + (tag * 7919 + i * 31) % 2000 for i in range(n)]
+
+
+def samples(text: str) -> dict[str, float]:
+    """Every sample keyed by exposition name plus its labels (without model_name/engine)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(
+                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
+            )
+            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
+    return out
+
+
+async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """An engine's /metrics as `samples`."""
+    async with http.get(f"{url}/metrics") as r:
+        assert r.status == 200
+        return samples(await r.text())

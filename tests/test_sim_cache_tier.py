@@ -21,7 +21,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import free_port
+from harness import free_port, metrics
+from harness import fresh_prompt as prompt
 from kvstack.cache import TieredStore, chunk_keys
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.server import CacheServer
@@ -46,29 +47,6 @@ LATENCY = LatencyModel(
     load_per_token=5e-6,
 )
 DEADLINE_S = 20.0
-
-
-def prompt(tag: int, n: int) -> list[int]:
-    """Token ids keyed by ``tag``, avoiding the special ids 0-2."""
-    return [3 + (tag * 7919 + i * 31) % 2000 for i in range(n)]
-
-
-def samples(text: str) -> dict[str, float]:
-    """Every sample by name and labels (without model_name/engine)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
-            )
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
-    return out
-
-
-async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with http.get(f"{url}/metrics") as r:
-        assert r.status == 200
-        return samples(await r.text())
 
 
 async def complete(

@@ -26,9 +26,8 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
-from prometheus_client.parser import text_string_to_metric_families
 
-from harness import EngineProcess, _spawn, _wait_healthy, free_port, start_sim
+from harness import EngineProcess, _spawn, _wait_healthy, free_port, fresh_prompt, metrics, start_sim
 from kvstack.engines.kv_events import BlockStored, decode_batch
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
@@ -56,29 +55,6 @@ DEADLINE_S = 10.0
 
 
 # -- helpers -----------------------------------------------------------------------------------------
-def fresh_prompt(tag: int, n: int) -> list[int]:
-    """Token ids keyed by ``tag`` (distinct first block per tag), avoiding the special ids 0-2."""
-    return [3 + (tag * 7919 + i * 31) % 2000 for i in range(n)]
-
-
-def samples(text: str) -> dict[str, float]:
-    """Every sample keyed by exposition name plus its labels (without model_name/engine)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
-            )
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
-    return out
-
-
-async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    async with http.get(f"{url}/metrics") as r:
-        assert r.status == 200
-        return samples(await r.text())
-
-
 async def post(http: aiohttp.ClientSession, url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
     async with http.post(f"{url}{path}", json=body) as r:
         payload: dict[str, Any] = await r.json()
