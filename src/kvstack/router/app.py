@@ -26,13 +26,12 @@ from typing import Any, Protocol
 
 import aiohttp
 import msgspec
-from aiohttp import web
 
 from kvstack.engines.state import Endpoint, EngineRole, EngineState
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
-from kvstack.openai.http import json_response
 from kvstack.router.admission import AdmissionController, AdmissionRejected
+from kvstack.router.http1 import Connection, HttpServer, Request, Response
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
@@ -40,8 +39,9 @@ from kvstack.router.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Handler = Callable[[Request, Connection], Awaitable[Response | None]]
 _decode = msgspec.json.Decoder()
+_encode = msgspec.json.Encoder().encode
 
 PROXIED_PATHS = (
     "/v1/completions",
@@ -127,64 +127,53 @@ class RouterApp:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
                 group.on(op, self.apply_internal)
         self._model_tasks: dict[str, asyncio.Task[None]] = {}
+        self._routes: dict[str, dict[str, Handler]] = {path: {"POST": self.proxied} for path in PROXIED_PATHS}
+        self._routes.update(
+            {
+                "/v1/models": {"GET": self.models},
+                "/health": {"GET": self.health},
+                "/ready": {"GET": self.ready},
+                "/metrics": {"GET": self.prometheus},
+                "/engines": {"GET": self.engines},
+                "/admin/engines": {"POST": self.admin_add, "DELETE": self.admin_remove},
+                "/admin/engines/drain": {"POST": self.admin_drain},
+                "/admin/engines/undrain": {"POST": self.admin_undrain},
+            }
+        )
 
-    # -- app ------------------------------------------------------------------------------------
-    def app(self) -> web.Application:
-        middlewares: list[Any] = [self._errors, self._auth]
-        if self.group is not None:
-            middlewares.insert(0, self._worker_header)
-        app = web.Application(client_max_size=self.config.max_body_bytes, middlewares=middlewares)
-        r = app.router
-        for path in PROXIED_PATHS:
-            r.add_post(path, self.proxied)
-        r.add_get("/v1/models", self.models)
-        r.add_get("/health", self.health)
-        r.add_get("/ready", self.ready)
-        r.add_get("/metrics", self.prometheus)
-        r.add_get("/engines", self.engines)
-        r.add_post("/admin/engines", self.admin_add)
-        r.add_delete("/admin/engines", self.admin_remove)
-        r.add_post("/admin/engines/drain", self.admin_drain)
-        r.add_post("/admin/engines/undrain", self.admin_undrain)
-        app.on_cleanup.append(self._cleanup)
-        return app
+    # -- serving ----------------------------------------------------------------------------------
+    def server(self) -> HttpServer:
+        """The HTTP server for this app (not yet listening)."""
+        default_headers = [] if self.group is None else [(WORKER_HEADER, self._worker_index)]
+        return HttpServer(self.handle, max_body=self.config.max_body_bytes, default_headers=default_headers)
 
-    async def _cleanup(self, app: web.Application) -> None:
+    async def close(self) -> None:
         for task in self._model_tasks.values():
             task.cancel()
         for task in self._model_tasks.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def handle(self, request: Request, conn: Connection) -> Response | None:
+        """Every request: route by path and method, check keys, answer errors in OpenAI JSON."""
+        methods = self._routes.get(request.path)
+        if methods is None:
+            return _error(OpenAIError(404, "Not Found", "Not Found"))
+        handler = methods.get(request.method)
+        if handler is None and request.method == "HEAD":
+            handler = methods.get("GET")
+        if handler is None:
+            allowed = ", ".join(sorted(methods))
+            return _error(OpenAIError(405, "Method Not Allowed", "Method Not Allowed"), [("Allow", allowed)])
         try:
-            return await handler(request)
+            self._authorize(request)
+            return await handler(request, conn)
         except OpenAIError as err:
-            return json_response(err.body(), status=err.status)
-        except web.HTTPRequestEntityTooLarge:
-            too_large = OpenAIError(
-                413,
-                f"request body larger than {self.config.max_body_bytes} bytes",
-                "Request Entity Too Large",
-            )
-            return json_response(too_large.body(), status=413)
-        except web.HTTPException as exc:
-            if exc.status < 400:
+            if conn.response_started:
                 raise
-            http_error = OpenAIError(exc.status, exc.reason, exc.reason)
-            return json_response(http_error.body(), status=exc.status)
+            return _error(err)
 
-    @web.middleware
-    async def _worker_header(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        # Which router process answered (several share the port); set before a stream's headers go out.
-        response = await handler(request)
-        if not response.prepared:
-            response.headers[WORKER_HEADER] = self._worker_index
-        return response
-
-    @web.middleware
-    async def _auth(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def _authorize(self, request: Request) -> None:
         path = request.path
         admin_key = self.config.admin_key
         if path.startswith("/admin/"):
@@ -198,7 +187,6 @@ class RouterApp:
             and not _bearer_matches(request, self.config.api_keys)
         ):
             raise OpenAIError(401, "invalid or missing API key", "AuthenticationError")
-        return await handler(request)
 
     # -- engine bookkeeping --------------------------------------------------------------------------
     def add_engine(self, endpoint: Endpoint) -> None:
@@ -249,13 +237,13 @@ class RouterApp:
             await asyncio.sleep(delay)
 
     # -- handlers ----------------------------------------------------------------------------------
-    async def health(self, request: web.Request) -> web.Response:
+    async def health(self, request: Request, conn: Connection) -> Response:
         body: dict[str, Any] = {"status": "ok"}
         if self.group is not None:
             body["worker"] = {"index": self.group.index, "count": self.group.count}
-        return json_response(body)
+        return _json(body)
 
-    async def ready(self, request: web.Request) -> web.Response:
+    async def ready(self, request: Request, conn: Connection) -> Response:
         states = self.registry.states()
         models = set(self.expected_models) or {m for s in states for m in s.endpoint.models}
         detail = {}
@@ -264,9 +252,9 @@ class RouterApp:
             detail[model] = {"routable_engines": routable}
         ok = bool(models) and all(d["routable_engines"] for d in detail.values())
         body = {"ready": ok, "models": detail, "engines": len(states)}
-        return json_response(body, status=200 if ok else 503)
+        return _json(body, status=200 if ok else 503)
 
-    async def prometheus(self, request: web.Request) -> web.Response:
+    async def prometheus(self, request: Request, conn: Connection) -> Response:
         states = self.registry.states()
         for s in states:
             self.metrics.set_circuit(s.url, s.circuit)
@@ -275,17 +263,17 @@ class RouterApp:
         self.metrics.queue_depth.set(self.admission.queued)
         if self.on_metrics is not None:
             self.on_metrics()
-        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+        return Response(200, self.metrics.render(), [("Content-Type", "text/plain; charset=utf-8")])
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request, conn: Connection) -> Response:
         now = int(time.time())
         data = [
             {"id": m, "object": "model", "created": now, "owned_by": "kvstack"}
             for m in sorted(self.registry.models())
         ]
-        return json_response({"object": "list", "data": data})
+        return _json({"object": "list", "data": data})
 
-    async def engines(self, request: web.Request) -> web.Response:
+    async def engines(self, request: Request, conn: Connection) -> Response:
         out = []
         now = time.monotonic()
         for s in self.registry.states():
@@ -320,32 +308,32 @@ class RouterApp:
         body: dict[str, Any] = {"engines": out}
         if self.group is not None:
             body["worker"] = {"index": self.group.index, "count": self.group.count}
-        return json_response(body)
+        return _json(body)
 
-    async def admin_add(self, request: web.Request) -> web.Response:
-        body = await _json_object(request)
+    async def admin_add(self, request: Request, conn: Connection) -> Response:
+        body = _json_object(request)
         self._apply_admin("add", body)
-        return json_response({"added": str(body["url"]).rstrip("/"), **await self._broadcast("add", body)})
+        return _json({"added": str(body["url"]).rstrip("/"), **await self._broadcast("add", body)})
 
-    async def admin_remove(self, request: web.Request) -> web.Response:
+    async def admin_remove(self, request: Request, conn: Connection) -> Response:
         body = {"url": request.query.get("url", "")}
         self._apply_admin("remove", body)
-        return json_response({"removed": body["url"].rstrip("/"), **await self._broadcast("remove", body)})
+        return _json({"removed": body["url"].rstrip("/"), **await self._broadcast("remove", body)})
 
-    async def admin_drain(self, request: web.Request) -> web.Response:
+    async def admin_drain(self, request: Request, conn: Connection) -> Response:
         return await self._set_draining(request, "drain")
 
-    async def admin_undrain(self, request: web.Request) -> web.Response:
+    async def admin_undrain(self, request: Request, conn: Connection) -> Response:
         return await self._set_draining(request, "undrain")
 
-    async def _set_draining(self, request: web.Request, op: str) -> web.Response:
-        body = await _json_object(request)
+    async def _set_draining(self, request: Request, op: str) -> Response:
+        body = _json_object(request)
         self._apply_admin(op, body)
         url = str(body.get("url", "")).rstrip("/")
         entry = self.registry.get(url)
         in_flight = entry.state.total_in_flight if entry else 0
         spread = await self._broadcast(op, body)
-        return json_response({"url": url, "draining": op == "drain", "in_flight": in_flight, **spread})
+        return _json({"url": url, "draining": op == "drain", "in_flight": in_flight, **spread})
 
     async def _broadcast(self, op: str, body: dict[str, Any]) -> dict[str, Any]:
         """Pass an admin change on to the other worker processes; say how many processes hold it."""
@@ -374,9 +362,9 @@ class RouterApp:
         if not found:
             raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 
-    async def proxied(self, request: web.Request) -> web.StreamResponse:
+    async def proxied(self, request: Request, conn: Connection) -> Response | None:
         started = time.monotonic()
-        raw = await request.read()
+        raw = request.body
         route = self._parse(request, raw)
         timeouts = self.config.timeouts.overridden(request.headers)
         # Only served model names become label values: a client cannot grow the metric's series.
@@ -387,8 +375,9 @@ class RouterApp:
             try:
                 profile, candidates = await self._candidates(route)
                 self.metrics.decision(profile, candidates[0])
-                response = await self.proxy.forward(
-                    request,
+                await self.proxy.forward(
+                    conn,
+                    request.headers,
                     path=route.path,
                     body=raw,
                     candidates=candidates,
@@ -403,7 +392,7 @@ class RouterApp:
             self.metrics.admission_rejections.labels(reason=rej.reason).inc()
             err = errors.rate_limited(f"router is at capacity ({rej.reason}); retry later")
             outcome.status = 429
-            return json_response(err.body(), 429, headers={"Retry-After": rej.retry_after_header})
+            return _json(err.body(), 429, [("Retry-After", rej.retry_after_header)])
         except OpenAIError as err:
             outcome.status = err.status
             raise
@@ -413,9 +402,9 @@ class RouterApp:
                 self.metrics.observe_latency(
                     model_label, outcome.first_byte_at - started, time.monotonic() - started
                 )
-        return response
+        return None
 
-    def _parse(self, request: web.Request, raw: bytes) -> RouteRequest:
+    def _parse(self, request: Request, raw: bytes) -> RouteRequest:
         content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if content_type and content_type != "application/json":
             raise errors.unsupported_media_type()
@@ -447,6 +436,14 @@ class RouterApp:
         return await self.picker.pick(route, self.registry.states())
 
 
+def _json(body: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, _encode(body), [("Content-Type", "application/json"), *headers])
+
+
+def _error(err: OpenAIError, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(err.status, err.to_json(), [("Content-Type", "application/json"), *headers])
+
+
 def _endpoint_of(body: dict[str, Any]) -> Endpoint:
     """The engine an admin "add" body describes; 400 naming the bad field."""
     url = body.get("url")
@@ -473,7 +470,7 @@ def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:
     return dataclasses.replace(endpoint, models=models)
 
 
-def _bearer_matches(request: web.Request, keys: set[str] | frozenset[str]) -> bool:
+def _bearer_matches(request: Request, keys: set[str] | frozenset[str]) -> bool:
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
         return False
@@ -481,9 +478,9 @@ def _bearer_matches(request: web.Request, keys: set[str] | frozenset[str]) -> bo
     return any(hmac.compare_digest(token, k) for k in keys)
 
 
-async def _json_object(request: web.Request) -> dict[str, Any]:
+def _json_object(request: Request) -> dict[str, Any]:
     try:
-        body = _decode.decode(await request.read())
+        body = _decode.decode(request.body)
     except msgspec.DecodeError:
         raise errors.bad_request("body must be JSON", "body") from None
     if not isinstance(body, dict):

@@ -24,12 +24,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
-from aiohttp import web
-from multidict import CIMultiDict
-
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.openai.sse import encode_error_event
+from kvstack.router.http1 import Connection
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.registry import EngineEntry, EngineRegistry
 from kvstack.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
@@ -143,7 +141,8 @@ class Proxy:
 
     async def forward(
         self,
-        request: web.Request,
+        conn: Connection,
+        client_headers: Mapping[str, str],
         *,
         path: str,
         body: bytes,
@@ -152,11 +151,11 @@ class Proxy:
         request_id: str,
         timeouts: Timeouts,
         outcome: Outcome,
-    ) -> web.StreamResponse:
-        """Send ``body`` to the first candidate that answers; relay its response to the client."""
+    ) -> None:
+        """Send ``body`` to the first candidate that answers; relay its response to ``conn``."""
         started = self._clock()
         deadline = started + timeouts.total
-        headers = _forward_headers(request.headers, request_id)
+        headers = _forward_headers(client_headers, request_id)
         last_error: _Retryable | None = None
         tried = 0
         for url in candidates:
@@ -173,7 +172,7 @@ class Proxy:
             outcome.engine = url
             try:
                 return await self._attempt(
-                    request, entry, path, body, headers, request_id, stream, timeouts, deadline, outcome
+                    conn, entry, path, body, headers, request_id, stream, timeouts, deadline, outcome
                 )
             except _Retryable as exc:
                 if last_error is not None and last_error.response is not None:
@@ -190,13 +189,11 @@ class Proxy:
             # Every engine refused: pass the last engine's answer on unchanged.
             resp = last_error.response
             outcome.status = resp.status
-            out = web.Response(
-                status=resp.status,
-                body=last_error.body,
-                headers=_response_headers(resp, request_id, resp.url),
-            )
-            resp.release()
-            return out
+            try:
+                conn.send(resp.status, _response_headers(resp, request_id, resp.url), last_error.body)
+            finally:
+                resp.release()
+            return
         if last_error is not None:
             outcome.error = last_error.reason
             if last_error.reason.endswith("timeout"):
@@ -206,7 +203,7 @@ class Proxy:
 
     async def _attempt(
         self,
-        request: web.Request,
+        conn: Connection,
         entry: EngineEntry,
         path: str,
         body: bytes,
@@ -216,7 +213,7 @@ class Proxy:
         timeouts: Timeouts,
         deadline: float,
         outcome: Outcome,
-    ) -> web.StreamResponse:
+    ) -> None:
         state, breaker = entry.state, entry.breaker
         url = state.url
         state.in_flight += 1
@@ -225,7 +222,6 @@ class Proxy:
         in_flight_gauge = self.metrics.engine_in_flight(url)
         in_flight_gauge.set(state.in_flight)
         upstream: UpstreamResponse | None = None
-        response: web.StreamResponse | None = None
         settled = False
 
         def settle(ok: bool | None) -> None:
@@ -282,10 +278,10 @@ class Proxy:
                     ) from None
                 outcome.first_byte_at = self._clock()
                 settle(upstream.status < 500)
-                return web.Response(status=upstream.status, body=data, headers=resp_headers)
+                conn.send(upstream.status, resp_headers, data)
+                return
 
-            response = web.StreamResponse(status=upstream.status, headers=resp_headers)
-            await response.prepare(request)
+            conn.start(upstream.status, resp_headers)
             outcome.first_byte_at = self._clock()
             # One timer for the whole relay, pushed forward before each read (idle gap, capped by the total).
             async with asyncio.timeout(None) as watchdog:
@@ -302,34 +298,30 @@ class Proxy:
                         watchdog.reschedule(None)
                         settle(False)
                         self.metrics.upstream_errors.labels(engine=url, reason="mid_stream").inc()
-                        return await _upstream_broke(
-                            response, upstream, broke, url, stream or is_sse, outcome
-                        )
+                        await _upstream_broke(conn, upstream, broke, url, stream or is_sse, outcome)
+                        return
                     if not chunk:
                         break
                     # Only the engine's silence counts as idle, not a slow client.
                     watchdog.reschedule(None)
                     # A failed write means the client left: ConnectionResetError goes to the handler below.
-                    await response.write(chunk)
+                    await conn.write(chunk)
                     outcome.bytes_sent += len(chunk)
             settle(upstream.status < 500)
-            await response.write_eof()
-            return response
+            conn.end()
         except TimeoutError as exc:
             # The relay watchdog fired: idle gap or total deadline, after bytes reached the client.
             settle(False)
             self.metrics.upstream_errors.labels(engine=url, reason="idle_timeout").inc()
-            assert response is not None and upstream is not None
-            return await _upstream_broke(response, upstream, exc, url, True, outcome)
+            assert upstream is not None
+            await _upstream_broke(conn, upstream, exc, url, True, outcome)
         except ConnectionResetError:
             # The client went away mid-write: closing the upstream connection makes the engine abort.
             outcome.error = "client_disconnected"
             settle(None)
             if upstream is not None:
                 upstream.close()
-            if response is None:
-                raise
-            return response
+            raise
         except asyncio.CancelledError:
             outcome.error = "client_disconnected"
             settle(None)
@@ -347,24 +339,22 @@ class Proxy:
 
 
 async def _upstream_broke(
-    response: web.StreamResponse,
+    conn: Connection,
     upstream: UpstreamResponse,
     exc: BaseException,
     url: str,
     sse: bool,
     outcome: Outcome,
-) -> web.StreamResponse:
+) -> None:
     """After bytes reached the client the status cannot change: end a stream with an SSE error event."""
     reason = "idle_timeout" if isinstance(exc, TimeoutError) else "upstream_broke"
     outcome.error = reason
     if sse:
         err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
         with contextlib.suppress(ConnectionError):
-            await response.write(encode_error_event(err))
+            await conn.write(encode_error_event(err))
     upstream.close()
-    with contextlib.suppress(ConnectionError):
-        await response.write_eof()
-    return response
+    conn.end()
 
 
 async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
@@ -395,12 +385,12 @@ def _forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple
     return out
 
 
-def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for key, value in resp.headers:
-        lk = key.lower()
-        if lk not in _DROP_RESPONSE_HEADERS and lk != "x-request-id" and lk != ENGINE_HEADER:
-            out.add(key, value)
-    out["x-request-id"] = request_id
-    out[ENGINE_HEADER] = engine
+def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> list[tuple[str, str]]:
+    out = [
+        (key, value)
+        for key, value in resp.headers
+        if (lk := key.lower()) not in _DROP_RESPONSE_HEADERS and lk != "x-request-id" and lk != ENGINE_HEADER
+    ]
+    out.append(("x-request-id", request_id))
+    out.append((ENGINE_HEADER, engine))
     return out

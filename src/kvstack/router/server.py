@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
-from aiohttp import web
 
 from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
 from kvstack.engines.prompt_tokens import PromptTokenizer
@@ -26,6 +25,7 @@ from kvstack.index.prefix_index import PrefixIndex
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.circuit import CircuitConfig
+from kvstack.router.http1 import HttpServer
 from kvstack.router.kv_feeds import CacheEvents, KVEventFeeds
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.prefix import PrefixLocator, PrefixSource
@@ -80,7 +80,7 @@ class RouterOptions:
 class RunningRouter:
     url: str
     app: RouterApp
-    runner: web.AppRunner
+    server: HttpServer
     session: aiohttp.ClientSession
     scraper: MetricsScraper
     scrape_session: aiohttp.ClientSession
@@ -102,7 +102,8 @@ class RunningRouter:
             if self.prompts is not None:
                 self.prompts.close()
             await self.scraper.stop()
-            await self.runner.cleanup()
+            await self.server.close()
+            await self.app.close()
         finally:  # connections are released even when a step above failed or was cancelled
             if self.upstream is not None:
                 await self.upstream.close()
@@ -163,18 +164,15 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         group=group,
         on_metrics=lambda: _index_gauges(metrics, locator),
     )
-    app = router.app()
-    # handler_cancellation: a client that disconnects cancels its handler, which closes the upstream request.
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
-    await runner.setup()
+    # A client that disconnects cancels its handler, which closes the upstream request.
+    server = router.server()
     try:
         if group is not None:
             await group.start()
         sock = _bind(opts.host, opts.port, reuse_port=opts.reuse_port)
-        site = web.SockSite(runner, sock, backlog=4096)
-        await site.start()
+        await server.start(sock)
     except BaseException:
-        await runner.cleanup()
+        await server.close()
         await upstream.close()
         await session.close()
         if group is not None:
@@ -208,7 +206,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     return RunningRouter(
         f"http://{opts.host}:{port}",
         router,
-        runner,
+        server,
         session,
         scraper,
         scrape_session,
