@@ -301,3 +301,18 @@ async def test_close_waits_for_busy_handlers_then_cancels() -> None:
     assert status == 200 and body == b"done"
     await asyncio.wait_for(closing, 10)
     writer.close()
+
+
+async def test_connections_over_the_limit_get_503_and_close(echo: Served) -> None:
+    echo.server.max_connections = 2
+    held = [await echo.open() for _ in range(2)]
+    reader, writer = await echo.open()
+    status, headers, raw = await _read_response(reader)
+    assert status == 503 and headers["retry-after"] == "1" and json.loads(raw)["error"]["code"] == 503
+    assert await asyncio.wait_for(reader.read(), 10) == b""
+    writer.close()
+    r0, w0 = held[0]
+    w0.write(_post("/still", b"served"))
+    assert json.loads((await _read_response(r0))[2])["body"] == "served"
+    for _, w in held:
+        w.close()

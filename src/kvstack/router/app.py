@@ -1,4 +1,8 @@
-"""The router's HTTP data plane (aiohttp): OpenAI endpoints proxied to the engine scheduling picks.
+"""The router's HTTP data plane: OpenAI endpoints proxied to the engine scheduling picks.
+
+Served by kvstack's own HTTP/1.1 server (`kvstack.router.http1`), not aiohttp's: on the proxied routes
+aiohttp's server cost more CPU than routing and relaying together. aiohttp stays the client for the
+router's own calls to engines (models, scrapes, KV event sources, remote tokenization).
 
 Routes:
 - POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses, /tokenize, /detokenize:

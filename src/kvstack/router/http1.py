@@ -15,7 +15,8 @@ Protocol behaviour:
 - limits, each answered in OpenAI error JSON then the connection closes: URL over ``MAX_URL_BYTES`` (414),
   headers over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431), a body over ``max_body`` (413), malformed
   HTTP (400), a request not received within ``receive_timeout`` (408);
-- an idle keep-alive connection closes after ``keep_alive_timeout``;
+- an idle keep-alive connection closes after ``keep_alive_timeout``; beyond ``max_connections`` open
+  connections a new one is answered 503 (OpenAI error JSON, ``Retry-After``) and closed;
 - a client that disconnects cancels its handler (the proxy then closes the upstream request, which is how
   an engine learns to abort), and a write to a gone client raises ``ConnectionResetError``;
 - write back-pressure: ``write`` waits while the client's socket buffer is over its high-water mark;
@@ -160,6 +161,9 @@ class Connection(asyncio.Protocol):
     # -- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)
+        if len(self._server._connections) >= self._server.max_connections:
+            self._refuse(503, f"too many open connections (limit {self._server.max_connections})", True)
+            return
         self._server._connections.add(self)
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -385,8 +389,8 @@ class Connection(asyncio.Protocol):
         return self._started
 
     # -- connection control --------------------------------------------------------------------------
-    def _refuse(self, status: int, message: str) -> None:
-        """Answer a request that could not be read, then close."""
+    def _refuse(self, status: int, message: str, retry_later: bool = False) -> None:
+        """Answer a request that could not be read (or a connection over the limit), then close."""
         self._close_after = True
         if self._task is not None or self._transport is None:
             self.close()  # a handler is answering an earlier request: there is no slot for this answer
@@ -394,7 +398,7 @@ class Connection(asyncio.Protocol):
         err = OpenAIError(status, message, _REASONS.get(status, "Error"))
         head = self._head(
             status,
-            [("Content-Type", "application/json")],
+            [("Content-Type", "application/json"), *([("Retry-After", "1")] if retry_later else [])],
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(err.to_json()),
         )
         self._transport.writelines((head, err.to_json()))
@@ -446,8 +450,10 @@ class HttpServer:
         keep_alive_timeout: float = 75.0,
         receive_timeout: float = 60.0,
         default_headers: Iterable[tuple[str, str]] = (),
+        max_connections: int = 16384,
     ) -> None:
         self.handler = handler
+        self.max_connections = max_connections
         self.max_body = max_body
         self.keep_alive_timeout = keep_alive_timeout
         self.receive_timeout = receive_timeout
