@@ -1,4 +1,4 @@
-"""``kvstack cache-server``: the KV cache server process (memory, optional disk and Redis tiers).
+"""``kvstack cache-server``: the KV cache server process (memory, optional disk, Redis and S3 tiers).
 
 Wired into ``kvstack`` by ``kvstack.cli`` (`add_cache_server_parser`, `run_cache_server`); also runnable as
 ``python -m kvstack.cache.cli cache-server ...``. Example::
@@ -6,6 +6,11 @@ Wired into ``kvstack`` by ``kvstack.cli`` (`add_cache_server_parser`, `run_cache
     kvstack cache-server --bind tcp://127.0.0.1:5560 --memory-gb 1 --disk-dir /var/cache/kvstack \\
         --disk-gb 50 --redis-url redis://10.0.0.9:6379/0 --chunk-size 256 --http-port 9105 \\
         --events tcp://127.0.0.1:5561 --node "$(hostname)" --secret-file /etc/kvstack/cache.secret
+
+Lower tiers are searched in the order memory, disk, Redis, S3 (each only when configured). The S3 tier
+(``--s3-bucket``, needs ``pip install 'kvstack[s3]'``) takes credentials from the usual AWS chain
+(``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE`` or ``--s3-profile``, ``~/.aws``, a role);
+S3 has no per-object TTL: bound it with the bucket's lifecycle rules.
 
 The secret file holds the shared secret (surrounding whitespace ignored); clients need the same bytes.
 SIGINT/SIGTERM stop it: queued lower-tier writes get up to ``--drain-timeout`` seconds to finish.
@@ -36,7 +41,7 @@ _GB = 1 << 30
 def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "cache-server",
-        help="run the KV cache server (memory, disk, Redis tiers behind ZMQ)",
+        help="run the KV cache server (memory, disk, Redis, S3 tiers behind ZMQ)",
         description="Run the kvstack KV cache server.",
     )
     p.add_argument("--bind", default=DEFAULT_BIND, help="ZMQ endpoint (tcp://host:port or ipc://path)")
@@ -50,6 +55,15 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     )
     g.add_argument("--redis-prefix", default="kvstack:kv:")
     g.add_argument("--redis-ttl-s", type=float, default=3600.0, help="0: no expiry")
+    g.add_argument("--s3-bucket", help="S3 tier in this (existing) bucket, after Redis (off when not given)")
+    g.add_argument("--s3-prefix", default="kvstack/kv/", help="object key prefix of the S3 tier")
+    g.add_argument(
+        "--s3-endpoint-url", help="an S3-compatible endpoint, e.g. http://10.0.0.9:9000 (default: AWS)"
+    )
+    g.add_argument("--s3-region", help="default: AWS_REGION / AWS_DEFAULT_REGION / the profile's region")
+    g.add_argument("--s3-profile", help="named profile of ~/.aws/config for the S3 credentials")
+    g.add_argument("--s3-addressing-style", choices=["auto", "path", "virtual"], default="auto")
+    g.add_argument("--s3-concurrency", type=int, default=16, help="S3 requests in flight at most")
     g.add_argument("--write-queue", type=int, default=64, help="queued writes per lower tier before drops")
     p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (the events' block_size)")
     p.add_argument("--node", help="this server's node name in events and stats (default: the hostname)")
@@ -74,6 +88,22 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
 
         ttl = args.redis_ttl_s if args.redis_ttl_s > 0 else None
         tiers.append(RedisTier(args.redis_url, prefix=args.redis_prefix, ttl_s=ttl))
+    if args.s3_bucket:
+        try:
+            from kvstack.cache.tiers.s3 import S3Tier  # imports aiobotocore only when used
+        except ImportError as e:
+            raise ValueError(f"--s3-bucket needs aiobotocore ({e}): pip install 'kvstack[s3]'") from e
+        tiers.append(
+            S3Tier(
+                args.s3_bucket,
+                prefix=args.s3_prefix,
+                endpoint_url=args.s3_endpoint_url,
+                region=args.s3_region,
+                profile=args.s3_profile,
+                addressing_style=args.s3_addressing_style,
+                concurrency=args.s3_concurrency,
+            )
+        )
     return tiers
 
 
