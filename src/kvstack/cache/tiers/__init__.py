@@ -1,11 +1,14 @@
-"""Storage tiers of the KV cache behind one interface (`Tier`): memory, local disk, Redis/Valkey.
+"""Storage tiers of the KV cache behind one interface (`Tier`): memory, local disk, Redis/Valkey, S3.
 
 - `MemoryTier` (memory): page-rounded anonymous mappings under a byte budget, LRU, pinning.
 - `DiskTier` (disk): a verified file per chunk in sharded directories, atomic writes, index rebuilt at start.
 - `RedisTier` (redis): pipelined MGET/SET with a key prefix and TTL; down/up with backoff on connection loss.
+- `S3Tier` (s3): an object per chunk under a key prefix in a bucket, concurrent HEAD/GET/PUT (bounded),
+  expiry by the bucket's lifecycle rules; down/up with backoff like Redis.
 
-Disk and Redis store each chunk as a checksummed `record`. `RedisTier` is imported from its module
-(``kvstack.cache.tiers.redis``) so that using the other tiers does not import redis-py.
+Disk, Redis and S3 store each chunk as a checksummed `record`. `RedisTier` and `S3Tier` are imported from
+their modules (``kvstack.cache.tiers.redis``, ``kvstack.cache.tiers.s3``) so that using the other tiers
+imports neither redis-py nor aiobotocore (an optional extra: ``pip install 'kvstack[s3]'``).
 """
 
 from kvstack.cache.tiers.base import Payload, Tier, TierStats
