@@ -114,7 +114,7 @@ class S3Tier(Tier):
         read_timeout_s: float = 10.0,
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
-        max_object_bytes: int = 1 << 30,
+        max_object_bytes: int = 256 << 20,
         max_announced: int = 65_536,
         name: str = "s3",
     ) -> None:
