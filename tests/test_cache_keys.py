@@ -9,10 +9,12 @@ import random
 import subprocess
 import sys
 import textwrap
+from array import array
 
+import numpy as np
 import pytest
 
-from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys
+from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys, pack_token_ids
 
 LAYOUT = KVLayout(
     model="tiny-llama",
@@ -56,13 +58,19 @@ def test_keys_are_pinned_values() -> None:
 
 def test_keys_stable_across_processes_and_hash_seeds() -> None:
     tokens = _tokens(1000, seed=7)
+    # Each process computes the keys from three forms of the ids: a list, a packed array and numpy int64.
     script = textwrap.dedent(
         """
         import json, sys
+        from array import array
+        import numpy
         from kvstack.cache.keys import KVLayout, chunk_keys
         args = json.loads(sys.stdin.read())
-        keys = chunk_keys(args["tokens"], KVLayout(**args["layout"]), chunk_size=128, include_partial=True)
-        print(json.dumps([k.hex() for k in keys]))
+        layout = KVLayout(**args["layout"])
+        forms = [args["tokens"], array("I", args["tokens"]), numpy.array(args["tokens"], dtype=numpy.int64)]
+        keys = [chunk_keys(ids, layout, chunk_size=128, include_partial=True) for ids in forms]
+        assert keys[0] == keys[1] == keys[2], "input forms disagree"
+        print(json.dumps([k.hex() for k in keys[0]]))
         """
     )
     stdin = json.dumps({"tokens": tokens, "layout": dataclasses.asdict(LAYOUT)})
@@ -136,6 +144,61 @@ def test_parent_continues_the_chain() -> None:
     tokens = _tokens(256 * 4)
     keys = chunk_keys(tokens, LAYOUT)
     assert chunk_keys(tokens[512:], LAYOUT, parent=keys[1]) == keys[2:]
+
+
+def test_every_form_of_the_same_ids_gives_the_same_keys() -> None:
+    tokens = _tokens(256 * 3 + 50)
+    expected = chunk_keys(tokens, LAYOUT, include_partial=True)
+    forms = {
+        "tuple": tuple(tokens),
+        "array I": array("I", tokens),
+        "array L": array("L", tokens),
+        "array q": array("q", tokens),
+        "numpy uint32": np.array(tokens, dtype=np.uint32),
+        "numpy int64": np.array(tokens, dtype=np.int64),
+        "numpy int32": np.array(tokens, dtype=np.int32),
+        "numpy strided": np.array([tokens, tokens], dtype=np.uint32).T[:, 0],
+        "packed bytes": memoryview(np.array(tokens, dtype="<u4").tobytes()).cast("I"),
+        "pack_token_ids": pack_token_ids(tokens),
+    }
+    for name, ids in forms.items():
+        assert chunk_keys(ids, LAYOUT, include_partial=True) == expected, name
+        assert chunk_keys(ids, LAYOUT, chunk_size=64) == chunk_keys(tokens, LAYOUT, chunk_size=64), name
+    # Small ids: bytes and uint8/uint16 buffers hold the same integers as the list.
+    small = [t % 256 for t in tokens]
+    want = chunk_keys(small, LAYOUT)
+    for ids in (bytes(small), bytearray(small), array("H", small), np.array(small, dtype=np.uint8)):
+        assert chunk_keys(ids, LAYOUT) == want, type(ids)
+    # A chain continued from a packed slice equals the whole chain.
+    packed = np.array(tokens, dtype=np.uint32)
+    assert chunk_keys(packed[512:], LAYOUT, parent=expected[1], include_partial=True) == expected[2:]
+
+
+def test_pack_token_ids_hashes_a_native_uint32_buffer_in_place() -> None:
+    ids = array("I", range(10))
+    view = pack_token_ids(ids)
+    assert view.format == "I" and view.readonly and list(view) == list(range(10))
+    ids[3] = 99  # the view is the array's own memory, not a copy
+    assert view[3] == 99
+    assert pack_token_ids([1, 2, 3]).tobytes() == b"\x01\0\0\0\x02\0\0\0\x03\0\0\0"
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        (np.array([1, -1]), "from -1 to 1"),
+        (np.array([1, 2**32]), r"\[0, 2\*\*32\)"),
+        (np.array([1.0, 2.0]), "integers"),
+        (np.array([[1, 2], [3, 4]], dtype=np.uint32), "one-dimensional"),
+        (np.array([1, 2], dtype=">u4"), "native byte order"),
+        (array("q", [1, -5]), r"\[0, 2\*\*32\)"),
+        ((1, 2.5), "integers"),
+    ],
+    ids=["negative", "too large", "float", "2-d", "big-endian", "array negative", "tuple float"],
+)
+def test_bad_token_id_forms_are_clear_errors(ids: object, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        chunk_keys(ids, LAYOUT, chunk_size=1)
 
 
 def test_bad_input_is_a_clear_error() -> None:

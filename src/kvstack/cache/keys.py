@@ -22,6 +22,14 @@ Every key depends on every token before it (changing an early token changes all 
 depends on ``PYTHONHASHSEED``, the process or the machine: keys are stable across engines and restarts.
 blake3 (unlike the router's 64-bit xxh3 block keys) makes a collision, which would serve another prompt's
 KV data, practically impossible.
+
+Token ids may come in any form that holds integers: a list or other sequence of ``int`` (as tokenizers and
+vLLM hold them), or any one-dimensional buffer of integers (``array('I')``, a numpy array of any integer
+dtype, a ``memoryview``; ``bytes`` count as a buffer of uint8 ids, as they do as a sequence). Keys depend on
+the integer values only, never on the form. A buffer of native uint32 on a little-endian host is hashed in
+place; packing a Python list costs about as much as hashing it (~9 ns an id here), so a caller that computes
+keys of the same ids more than once (several layouts, e.g. one per tensor-parallel rank) packs them once
+with `pack_token_ids` and passes the result.
 """
 
 from __future__ import annotations
@@ -33,10 +41,11 @@ import sys
 from array import array
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any, TypeAlias, cast
 
 from blake3 import blake3
 
-__all__ = ["ChunkKey", "KVLayout", "chunk_keys"]
+__all__ = ["ChunkKey", "KVLayout", "TokenIds", "chunk_keys", "pack_token_ids"]
 
 KEY_BYTES = 32
 _NAMESPACE_PREFIX = b"kvstack-kv-chunk/v1\0"
@@ -93,20 +102,53 @@ class ChunkKey(bytes):
         return f"ChunkKey({self.hex()[:16]}…)"
 
 
-def _packed(token_ids: Sequence[int] | array[int]) -> memoryview:
-    """Token ids as little-endian uint32 bytes (an ``array('I')`` on a little-endian host is used as is)."""
-    if isinstance(token_ids, array) and token_ids.typecode == "I" and sys.byteorder == "little":
-        return memoryview(token_ids).cast("B")
+TokenIds: TypeAlias = "Sequence[int] | array[int] | memoryview | Any"
+"""Token ids: a sequence of ``int`` or a one-dimensional buffer of integers (see the module docstring)."""
+
+_INT_FORMATS = frozenset("bBhHiIlLqQnN")
+_LITTLE = sys.byteorder == "little"
+
+
+def pack_token_ids(token_ids: TokenIds) -> memoryview:
+    """Token ids as a read-only ``memoryview`` of little-endian uint32 (format ``I``), what `chunk_keys`
+    hashes; raises ValueError unless they are integers in [0, 2**32). A contiguous native uint32 buffer on
+    a little-endian host comes back as a view of itself (no copy)."""
+    if isinstance(token_ids, list):  # the common case first
+        return _pack_ints(token_ids)
+    try:
+        view = memoryview(cast(Any, token_ids))
+    except TypeError:  # a sequence without the buffer protocol (tuple, range, ...)
+        return _pack_ints(list(token_ids))
+    code = view.format.lstrip("@")
+    if code not in _INT_FORMATS:
+        raise ValueError(
+            f"token ids must be integers in native byte order, got a buffer of format {view.format!r}"
+        )
+    if view.ndim != 1:
+        raise ValueError(f"token ids must be one-dimensional, got a buffer of shape {view.shape}")
+    if view.itemsize == 4 and code in "IL" and _LITTLE and view.c_contiguous:
+        return view.cast("B").cast("I").toreadonly()
+    numpy = sys.modules.get("numpy")  # a caller holding numpy arrays has it loaded: convert without a list
+    if numpy is None:
+        return _pack_ints(view.tolist())
+    ints = numpy.asarray(view)
+    low, high = (int(ints.min()), int(ints.max())) if ints.size else (0, 0)
+    if low < 0 or high >= 1 << 32:
+        raise ValueError(f"token ids must be integers in [0, 2**32), got ids from {low} to {high}")
+    return memoryview(ints.astype("<u4")).cast("B").cast("I").toreadonly()
+
+
+def _pack_ints(ints: list[int]) -> memoryview:
     packed = array("I")
     if packed.itemsize != 4:  # the key scheme hashes uint32 token ids
         raise RuntimeError("array('I') is not 4 bytes on this platform; chunk keys need uint32 packing")
     try:
-        packed.fromlist(token_ids if isinstance(token_ids, list) else list(token_ids))
+        packed.fromlist(ints)
     except (OverflowError, TypeError) as e:
         raise ValueError(f"token ids must be integers in [0, 2**32): {e}") from None
-    if sys.byteorder == "big":
+    if not _LITTLE:
         packed.byteswap()
-    return memoryview(packed).cast("B")
+    return memoryview(packed).toreadonly()
 
 
 @functools.lru_cache(maxsize=64)
@@ -119,7 +161,7 @@ def _derived_keys(layout: KVLayout, chunk_size: int) -> tuple[bytes, bytes]:
 
 
 def chunk_keys(
-    token_ids: Sequence[int] | array[int],
+    token_ids: TokenIds,
     layout: KVLayout,
     chunk_size: int = 256,
     include_partial: bool = False,
@@ -127,23 +169,29 @@ def chunk_keys(
 ) -> list[ChunkKey]:
     """One chained key per full chunk of ``token_ids`` (plus the partial tail when ``include_partial``).
 
-    ``parent`` continues a chain: ``chunk_keys(b, layout, parent=chunk_keys(a, layout)[-1])`` equals the keys
-    of ``a + b`` after ``a``'s when ``a`` is a whole number of chunks.
+    ``token_ids``: a sequence of ``int`` or a buffer of integers (module docstring); the same ids in any
+    form give the same keys. ``parent`` continues a chain: ``chunk_keys(b, layout,
+    parent=chunk_keys(a, layout)[-1])`` equals the keys of ``a + b`` after ``a``'s when ``a`` is a whole
+    number of chunks.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     k_full, k_tail = _derived_keys(layout, chunk_size)
-    data = _packed(token_ids)
+    data = pack_token_ids(token_ids).cast("B")
     stride = 4 * chunk_size
     full_end = len(data) - len(data) % stride
     key: bytes = _ROOT_PARENT if parent is None else parent
     keys: list[ChunkKey] = []
+    # One keyed hasher reset per chunk: building one costs as much as hashing a 1 KiB chunk.
+    hasher = blake3(key=k_full)
+    reset, update, digest, append = hasher.reset, hasher.update, hasher.digest, keys.append
     new_key = bytes.__new__  # a digest is always 32 bytes: skip ChunkKey's length check in the loop
     for off in range(0, full_end, stride):
-        hasher = blake3(key, key=k_full)
-        hasher.update(data[off : off + stride])
-        key = new_key(ChunkKey, hasher.digest())
-        keys.append(key)
+        reset()
+        update(key)
+        update(data[off : off + stride])
+        key = new_key(ChunkKey, digest())
+        append(key)
     if include_partial and full_end < len(data):
         tail = data[full_end:]
         hasher = blake3(key, key=k_tail)
