@@ -134,7 +134,7 @@ class Connection(asyncio.Protocol):
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server
-        self._loop = server.loop
+        self._loop = asyncio.get_running_loop()
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._pending: collections.deque[Request] = collections.deque()
@@ -461,11 +461,10 @@ class HttpServer:
         self.clock = _Clock()
         self._connections: set[Connection] = set()
         self._server: asyncio.Server | None = None
-        self.loop = asyncio.get_event_loop()
 
     async def start(self, sock: socket.socket, backlog: int = 4096) -> None:
-        self.loop = asyncio.get_running_loop()
-        self._server = await self.loop.create_server(lambda: Connection(self), sock=sock, backlog=backlog)
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(lambda: Connection(self), sock=sock, backlog=backlog)
 
     @property
     def connections(self) -> int:
@@ -475,13 +474,14 @@ class HttpServer:
         """Stop accepting; close idle connections; give handlers ``grace`` seconds, then cancel them."""
         if self._server is not None:
             self._server.close()
-        deadline = self.loop.time() + grace
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
         while True:
             for conn in list(self._connections):
                 if conn.idle:
                     conn.close()
             busy = [c for c in self._connections if not c.idle]
-            if not busy or self.loop.time() >= deadline:
+            if not busy or loop.time() >= deadline:
                 break
             await asyncio.sleep(0.05)
         for conn in list(self._connections):
