@@ -289,10 +289,11 @@ def request_mac(secret: bytes, header: bytes | memoryview) -> bytes:
 
 
 def join_keys(keys: Sequence[bytes]) -> bytes:
-    for key in keys:
-        if len(key) != KEY_BYTES:
-            raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {len(key)}")
-    return b"".join(keys)
+    joined = b"".join(keys)
+    if len(joined) != KEY_BYTES * len(keys) or set(map(len, keys)) - {KEY_BYTES}:  # no Python loop
+        bad = next(len(key) for key in keys if len(key) != KEY_BYTES)
+        raise ValueError(f"a chunk key is {KEY_BYTES} bytes, got {bad}")
+    return joined
 
 
 def split_keys(keys: bytes, request_id: int = 0) -> list[ChunkKey]:

@@ -34,7 +34,7 @@ import logging
 import socket
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import zmq
 import zmq.asyncio
@@ -86,6 +86,8 @@ log = logging.getLogger(__name__)
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
 _SWEEP_INTERVAL_S = 5.0
 _READ_BATCH = 64  # requests read per loop callback before yielding to other callbacks
+_EVENTS = int(zmq.EVENTS)
+_POLLIN = int(zmq.POLLIN)
 _Frames = list[Any]  # what a reply carries after its header: bytes, memoryviews, zmq.Frames
 
 
@@ -239,13 +241,16 @@ class CacheServer:
     # -- the request loop
 
     def _readable(self) -> None:
-        """Receive and start every request waiting. ZMQ's FD signals a change, not a level: read until
-        EAGAIN, and read again after sending (a send can consume the signal of a request that arrived)."""
+        """Receive and start every request waiting. ZMQ's FD signals a change, not a level: read while
+        ZMQ_EVENTS says a message waits, and read again after sending (a send can consume the signal of a
+        request that arrived). Asking ZMQ_EVENTS costs a third of a receive that fails (which raises)."""
         self._read_scheduled = False
         sock = self._sock
         for _ in range(_READ_BATCH):
             if sock is None or not self._reading or len(self._tasks) >= self._max_tasks:
                 return  # full: _done reads again when a task ends
+            if not cast(int, sock.get(_EVENTS)) & _POLLIN:
+                return
             try:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -392,8 +397,8 @@ class CacheServer:
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
 
     def _lookup_reply(self, rid: int, asked: int, count: int, tiers: list[str]) -> LookupReply:
-        self.metrics.child(self.metrics.lookup_chunks, "hit").inc(count)
-        self.metrics.child(self.metrics.lookup_chunks, "miss").inc(asked - count)
+        self.metrics.lookup_hits += count
+        self.metrics.lookup_misses += asked - count
         return LookupReply(id=rid, count=count, tiers=tiers)
 
     def _hello(self, request: Hello) -> HelloReply:

@@ -75,7 +75,7 @@ from typing import Any, Literal, TypeVar, cast
 import xxhash
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_length, verify_record
 
 __all__ = ["DiskTier", "FsyncPolicy"]
@@ -185,12 +185,7 @@ class DiskTier(Tier):
         return self.contains_now(keys)
 
     def contains_now(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self._index:
-                break
-            n += 1
-        return n
+        return held_prefix(keys, self._index)
 
     async def get(self, key: ChunkKey) -> Payload | None:
         return (await self.get_many([key]))[0]

@@ -38,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
 
 __all__ = ["MemoryTier"]
 
@@ -89,12 +89,7 @@ class MemoryTier(Tier):
     # -- sync core
 
     def contains_sync(self, keys: Sequence[bytes]) -> int:
-        n = 0
-        for key in keys:
-            if key not in self._entries:
-                break
-            n += 1
-        return n
+        return held_prefix(keys, self._entries)
 
     def get_sync(self, key: ChunkKey) -> memoryview | None:
         """A read-only view of the payload (no copy), or None; the entry becomes the most recent."""
