@@ -9,6 +9,7 @@ same port it holds nothing (not even the bucket), as a fresh S3-compatible serve
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import os
@@ -30,6 +31,7 @@ from botocore.exceptions import ClientError
 from harness import samples
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import AsyncCacheClient
+from kvstack.cache.events import medium_of
 from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import MemoryTier
 from kvstack.cache.tiers.record import HEADER_BYTES
@@ -386,6 +388,30 @@ def test_bad_settings_are_refused_with_the_fix() -> None:
         S3Tier(BUCKET, access_key_id="only-the-id")
     with pytest.raises(ValueError, match="profile"):
         S3Tier(BUCKET, profile="kvstack-no-such-profile")
+
+
+def test_cache_server_options_put_s3_after_the_other_tiers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvstack.cache.cli import _tiers, add_cache_server_parser, main
+
+    parser = argparse.ArgumentParser()
+    add_cache_server_parser(parser.add_subparsers())
+    disk_and_redis = ["--disk-dir", str(tmp_path), "--redis-url", "redis://127.0.0.1:1/0"]
+    s3_options = ["--s3-bucket", BUCKET, "--s3-prefix", "p/", "--s3-endpoint-url", "http://127.0.0.1:1"]
+    args = parser.parse_args(["cache-server", *disk_and_redis, *s3_options])
+    tiers = _tiers(args)
+    assert [t.name for t in tiers] == ["memory", "disk", "redis", "s3"]
+    s3 = tiers[-1]
+    assert isinstance(s3, S3Tier) and (s3.bucket, s3.prefix, s3.endpoint_url) == (
+        BUCKET,
+        "p/",
+        "http://127.0.0.1:1",
+    )
+    assert medium_of(s3) == "REMOTE"  # its admit/evict events carry the remote medium, as Redis's do
+    assert main(["cache-server", "--s3-bucket", BUCKET, "--s3-endpoint-url", "127.0.0.1:9000"]) == 2
+    assert "http:// or https://" in capsys.readouterr().err
+    assert main(["cache-server", "--s3-bucket", BUCKET, "--s3-concurrency", "0"]) == 2
 
 
 async def test_bounded_write_queue_drops_and_counts_when_full(moto: MotoServer, raw: Any) -> None:
