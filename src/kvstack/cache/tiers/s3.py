@@ -17,7 +17,7 @@ tier does not create it.
   the whole tier (also the size of the HTTP connection pool). A PUT's body is the header and payload joined
   (one copy: botocore takes no buffer list). botocore's own CRC checksums are off (``when_required``): the
   record's checksum already covers the bytes end to end and is verified on every read.
-- A value that fails verification (length, key, checksum), or announces more than ``max_object_bytes``, is a
+- An object that fails verification (length, key, checksum), or is larger than ``max_object_bytes``, is a
   miss, counted in ``corrupt`` and deleted.
 - Connection errors and timeouts mark the tier down: from then on reads are misses and writes are dropped,
   without touching the network, counted, never raised. A background task probes the bucket (``HEAD`` bucket)
