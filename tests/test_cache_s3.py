@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +68,9 @@ class MotoServer:
     def start(self) -> None:
         cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
         with (self.workdir / "moto.log").open("ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -82,14 +85,21 @@ class MotoServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_group(proc, timeout_s=10)
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
+    """Stop a process started with ``start_new_session=True`` and anything it started: SIGTERM to its
+    process group (whose id is its PID), SIGKILL after ``timeout_s``."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def client_for(moto: MotoServer) -> Any:
@@ -516,7 +526,7 @@ def start_cache_server(moto: MotoServer, port: int, http_port: int, memory_bytes
         "warning",
     ]
     with (workdir / "server.log").open("ab") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 async def test_cache_server_command_promotes_a_chunk_memory_evicted_from_s3(
@@ -571,11 +581,6 @@ async def test_cache_server_command_promotes_a_chunk_memory_evicted_from_s3(
             chunks.release()
             assert await client.clear()
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_group(proc, timeout_s=15)
     assert proc.returncode == 0, log.read_text()
     assert not await object_exists(raw, f"cli/{keys[0].hex()}")  # the server's clear emptied the prefix
