@@ -28,18 +28,19 @@ A batch (``put_many``) writes all its temp files first and starts their writebac
 journal commit covers most of the batch instead of one commit per file (with ``always``, each directory is
 synced once per batch).
 
-Reads map the file read-only and check the header, the length against the file size and the checksum on
-the mapping (the checksum pass faults the pages in: 10-30% faster for warm 1 MiB files than
-``MAP_POPULATE``, the same cold); a hit returns a read-only view of the mapped payload, with no copy and no
-zeroed buffer. (Reading small files with ``pread`` into a new ``bytes`` was tried: in the tier's threads it
-is ~5x slower than mapping, as glibc hands each thread's freed buffers back to the OS and every read faults
-in fresh pages; into reused buffers it was no faster than mapping.) The view
-keeps its mapping alive, and the tier never changes a file in place (it replaces by rename and deletes by
-unlink), so a view already returned keeps the verified bytes even if the chunk is later evicted, deleted or
-rewritten: the mapping holds the old inode. Something else truncating a chunk file in place while a view is
-held would make reading that view fault (SIGBUS). A corrupt or truncated file is deleted, counted in
-``corrupt`` and read as a miss. A hit also bumps the file's mtime, which is the LRU order a restart
-recovers.
+Reads open the files of a job (up to 16 at a time) and hint each (``POSIX_FADV_WILLNEED``) before reading the
+first, so cold files are fetched from the disk together; then each file is mapped read-only and the header,
+the length against the file size and the checksum are checked on the mapping (the checksum pass faults the
+pages in: 10-30% faster for warm 1 MiB files than ``MAP_POPULATE`` on one machine, no different on another); a
+hit returns a read-only view of the mapped payload, with no copy and no zeroed buffer. (Tried and dropped:
+``pread`` into a new ``bytes``, ~5x slower in the tier's threads, as glibc hands each thread's freed buffers
+back to the OS and every read faults in fresh pages; ``preadv`` into reused pooled buffers, no faster than
+mapping at 1 MiB and slower in the tier's two threads, though it saves ~25% per 64 KiB file.) The view keeps
+its mapping alive, and the tier never changes a file in place (it replaces by rename and deletes by unlink),
+so a view already returned keeps the verified bytes even if the chunk is later evicted, deleted or rewritten:
+the mapping holds the old inode. Something else truncating a chunk file in place while a view is held would
+make reading that view fault (SIGBUS). A corrupt or truncated file is deleted, counted in ``corrupt`` and read
+as a miss. A hit also bumps the file's mtime, which is the LRU order a restart recovers.
 
 Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
 files whose name, header or note footer is invalid are deleted, the rest are indexed oldest mtime first;
@@ -90,6 +91,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 _NOTE_FOOTER = struct.Struct("<I8s4s")  # note length, xxh3_64 of the note, magic
 _NOTE_MAGIC = b"KVNT"
 _ANNOUNCE_BATCH = 256
+_READ_AHEAD = 16  # files of a read job opened and hinted together (bounds the descriptors a job holds)
 _T = TypeVar("_T")
 
 
@@ -360,7 +362,32 @@ class DiskTier(Tier):
         return self.root / text[:2] / (text + _SUFFIX)
 
     def _read_batch(self, keys: Sequence[ChunkKey]) -> list[_Read]:
-        return [self._read_file(key) for key in keys]
+        """Read ``keys`` in windows of ``_READ_AHEAD`` files: all of a window are opened and asked for
+        (``POSIX_FADV_WILLNEED``) before the first is mapped, so cold files are read from the disk together
+        (the device gets the window at once, not one file after the other); for a file already in the page
+        cache the hint costs a lookup (~1 µs)."""
+        reads: list[_Read] = []
+        for start in range(0, len(keys), _READ_AHEAD):
+            window = keys[start : start + _READ_AHEAD]
+            opened = [self._open_for_read(key) for key in window]
+            for fd in opened:
+                if isinstance(fd, int):
+                    with suppress(OSError):
+                        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            reads += [
+                self._read_file(key, fd) if isinstance(fd, int) else fd
+                for key, fd in zip(window, opened, strict=True)
+            ]
+        return reads
+
+    def _open_for_read(self, key: ChunkKey) -> int | _Read:
+        """An open descriptor of ``key``'s file, or the `_Read` that says why there is none."""
+        try:
+            return os.open(self._path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            return _Read()
+        except OSError as e:
+            return _Read(error=e)
 
     def _write_batch(self, writes: Sequence[_PendingWrite]) -> list[_Write]:
         """Write each chunk to a temp file, sync it as the policy says, rename it into place."""
@@ -429,14 +456,9 @@ class DiskTier(Tier):
             self._unlink(tmp)
         self._unlink(path)  # an older version is no longer indexed: do not leave it behind
 
-    def _read_file(self, key: ChunkKey) -> _Read:
+    def _read_file(self, key: ChunkKey, fd: int) -> _Read:
+        """Map, verify and close ``fd``, the open file of ``key``."""
         path = self._path(key)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return _Read()
-        except OSError as e:
-            return _Read(error=e)
         try:
             file_bytes = os.fstat(fd).st_size
             if file_bytes < HEADER_BYTES:
