@@ -1,6 +1,7 @@
-"""The vLLM connector's pure parts, without vLLM or torch: config parsing, layout detection from shapes,
-chunk keys, block arithmetic, the scheduler half's plans against a dict standing in for the store, and the
-worker's background save queue with fake gather/send phases (bytes standing in for KV blocks)."""
+"""The vLLM connector's pure parts, without vLLM or torch: config parsing, chunk keys, block arithmetic,
+the scheduler half's plans against a dict standing in for the store, and the worker's background save
+queue with fake gather/send phases (bytes standing in for KV blocks). Layouts and the copies of blocks:
+tests/test_connector_layouts.py."""
 
 from __future__ import annotations
 
@@ -17,11 +18,12 @@ import pytest
 
 from kvstack.cache.keys import ChunkKey, chunk_keys
 from kvstack.connector import (
+    PAGED_LAYOUT,
     AttentionShape,
     ChunkPlanner,
     ConfigError,
     SaveQueue,
-    detect_layout,
+    block_layout_name,
     keys_by_rank,
     kv_layout,
     loadable_end,
@@ -34,7 +36,8 @@ from kvstack.connector.plan import ChunkLoad, ChunkSave, RequestSave
 BLOCK = 128
 CHUNK = 256
 TINY = AttentionShape(num_layers=2, num_kv_heads=2, head_size=64, dtype="bfloat16", block_size=BLOCK)
-LAYOUT = kv_layout("tiny", TINY, platform="cpu", tp_rank=0, tp_size=1)
+CPU = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN", block_size=BLOCK)
+LAYOUT = kv_layout("tiny", TINY, block_layout=CPU, tp_rank=0, tp_size=1)
 
 
 def tokens(n: int, seed: int = 1) -> list[int]:
@@ -96,65 +99,27 @@ def test_secret_file(tmp_path: Path) -> None:
         parse_config({"server": "tcp://h:1", "secret_file": str(tmp_path / "e")}).secret()
 
 
-# -- layout
-
-
-def test_cpu_layout_is_supported() -> None:
-    verdict = detect_layout((64, 2, 128, 128), TINY, platform="cpu")
-    assert verdict.supported and verdict.name == "[blocks,kv_heads,block,2*head]"
-
-
-@pytest.mark.parametrize(
-    ("shape", "name"),
-    [
-        ((2, 64, 128, 2, 64), "[2,blocks,block,kv_heads,head]"),
-        ((2, 64, 2, 128, 64), "[2,blocks,kv_heads,block,head]"),
-        ((64, 2, 128, 2, 64), "[blocks,2,block,kv_heads,head]"),
-        ((64, 2, 2, 128, 64), "[blocks,2,kv_heads,block,head]"),
-        ((64, 128, 576), "[blocks,block,latent]"),
-        ((64, 2, 128, 64), "unknown"),  # K only?
-        ((64, 4, 128, 128), "unknown"),  # another head count
-        ((64, 2, 64, 128), "unknown"),  # another block size
-    ],
-)
-def test_other_layouts_are_named_and_refused(shape: tuple[int, ...], name: str) -> None:
-    verdict = detect_layout(shape, TINY, platform="cpu")
-    assert (verdict.name, verdict.supported) == (name, False)
-    assert verdict.reason
-
-
-def test_cpu_shape_on_a_gpu_is_refused() -> None:
-    verdict = detect_layout((64, 2, 128, 128), TINY, platform="cuda")
-    assert not verdict.supported and "on cuda is not verified" in verdict.reason
-
-
 # -- keys
 
 
-def test_key_namespace_names_model_layout_block_size_and_rank() -> None:
-    assert LAYOUT.block_layout == "vllm-cpu:[blocks,kv_heads,block=128,2*head]"
+def test_key_namespace_names_model_dtype_and_rank() -> None:
+    """(Platform, backend, layout and block size: tests/test_connector_layouts.py.)"""
     prompt = tokens(512)
     base = chunk_keys(prompt, LAYOUT, CHUNK)
-    assert base == chunk_keys(prompt, kv_layout("tiny", TINY, platform="cpu", tp_rank=0, tp_size=1), CHUNK)
+    assert base == chunk_keys(prompt, kv_layout("tiny", TINY, block_layout=CPU, tp_rank=0, tp_size=1), CHUNK)
+    fp16, heads = AttentionShape(2, 2, 64, "float16", BLOCK), AttentionShape(2, 4, 32, "bfloat16", BLOCK)
     others = [
-        kv_layout("other", TINY, platform="cpu", tp_rank=0, tp_size=1),
-        kv_layout("tiny", TINY, platform="cuda", tp_rank=0, tp_size=1),
-        kv_layout("tiny", TINY, platform="cpu", tp_rank=1, tp_size=2),
-        kv_layout(
-            "tiny",
-            AttentionShape(2, 2, 64, "bfloat16", block_size=256),
-            platform="cpu",
-            tp_rank=0,
-            tp_size=1,
-        ),
-        kv_layout("tiny", AttentionShape(2, 2, 64, "float16", BLOCK), platform="cpu", tp_rank=0, tp_size=1),
+        kv_layout("other", TINY, block_layout=CPU, tp_rank=0, tp_size=1),
+        kv_layout("tiny", TINY, block_layout=CPU, tp_rank=1, tp_size=2),
+        kv_layout("tiny", fp16, block_layout=CPU, tp_rank=0, tp_size=1),
+        kv_layout("tiny", heads, block_layout=CPU, tp_rank=0, tp_size=1),
     ]
     for layout in others:
         assert not set(chunk_keys(prompt, layout, CHUNK)) & set(base), layout
 
 
 def test_keys_by_rank_gives_each_rank_its_own_chain() -> None:
-    layouts = [kv_layout("tiny", TINY, platform="cpu", tp_rank=r, tp_size=2) for r in range(2)]
+    layouts = [kv_layout("tiny", TINY, block_layout=CPU, tp_rank=r, tp_size=2) for r in range(2)]
     keys = keys_by_rank(layouts, CHUNK)(tokens(600))
     assert len(keys) == 2 and all(len(k) == 2 and k[0] != k[1] for k in keys)
     assert [k[1] for k in keys] == chunk_keys(tokens(600), layouts[1], CHUNK)
@@ -165,8 +130,8 @@ def test_keys_do_not_depend_on_the_process_or_hash_seed() -> None:
     script = (
         "import json; from kvstack.cache.keys import chunk_keys; "
         "from kvstack.connector import AttentionShape, kv_layout; "
-        "layout = kv_layout('tiny', AttentionShape(2, 2, 64, 'bfloat16', 128), platform='cpu', "
-        "tp_rank=0, tp_size=1); "
+        "layout = kv_layout('tiny', AttentionShape(2, 2, 64, 'bfloat16', 128), "
+        f"block_layout={CPU!r}, tp_rank=0, tp_size=1); "
         f"print(json.dumps([k.hex() for k in chunk_keys({tokens(600)}, layout, 256)]))"
     )
     seen = set()
@@ -611,6 +576,7 @@ class FakeKV:
         self.send_gate = threading.Event()
         self.send_gate.set()
         self.sent: list[str] = []
+        self.gathered: list[str] = []
         self.fail: dict[str, str] = {}
         self.exits = 0
 
@@ -619,6 +585,7 @@ class FakeKV:
         assert self.gate.wait(10)
         if self.fail.get(save.req_id) == "gather":
             raise RuntimeError("gather broke")
+        self.gathered.append(save.req_id)
         return b"kv" * len(save.chunks)
 
     def send(self, save: RequestSave, payload: bytes) -> bool:
@@ -705,6 +672,28 @@ def test_save_failures_are_counted_never_raised() -> None:
     assert q.take_acks() == {"g": 1, "s": 1, "x": 1, "ok": 1}  # a failed gather no longer reads either
     q.hold("g")
     assert q.take_released() == {"g"}
+    q.close(5)
+
+
+def test_a_save_thread_calls_ready_before_it_gathers() -> None:
+    """A device KV cache: ``ready`` waits on the save thread (never the caller's) until the forward pass
+    has written the blocks; a ``ready`` that fails is a failed save that no longer reads the blocks."""
+    kv = FakeKV()
+    q = kv.queue()
+    readied: list[tuple[str, list[str]]] = []
+
+    def ready() -> None:
+        readied.append((threading.current_thread().name, list(kv.gathered)))
+
+    def broken() -> None:
+        raise RuntimeError("device lost")
+
+    assert q.submit(job("a"), ready) and q.submit(job("b"), broken) and q.submit(job("c"))
+    wait_until(lambda: q.stats.saved + q.stats.failed == 3)
+    assert readied == [("kvstack-saves", [])]  # on the save thread, before a's gather
+    assert kv.gathered == ["a", "c"]
+    assert (q.stats.saved, q.stats.failed, kv.sent) == (2, 1, ["a", "c"])
+    assert q.take_acks() == {"a": 1, "b": 1, "c": 1}
     q.close(5)
 
 

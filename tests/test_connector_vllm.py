@@ -36,7 +36,7 @@ from harness import REPO, EngineProcess, free_port, start_vllm, vllm_python
 from kvstack.cache.client import CacheClient
 from kvstack.cache.events import block_hash
 from kvstack.cache.keys import ChunkKey, chunk_keys
-from kvstack.connector import AttentionShape, kv_layout
+from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
 from kvstack.engines.kv_events import BlockStored, decode_batch, decode_seq, encode_seq
 
 pytestmark = pytest.mark.vllm
@@ -44,8 +44,10 @@ pytestmark = pytest.mark.vllm
 MODEL_ID = "kvstack-test-tiny-weighted"  # kv_connector_extra_config.model_id: the keys' model name
 CHUNK = 256
 BLOCK = 128
+# What the workers report for vLLM 0.32's CPU backend, and so the namespace of the engines' chunk keys.
+BLOCK_LAYOUT = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN", block_size=BLOCK)
 LAYOUT = kv_layout(
-    MODEL_ID, AttentionShape(2, 2, 64, "bfloat16", BLOCK), platform="cpu", tp_rank=0, tp_size=1
+    MODEL_ID, AttentionShape(2, 2, 64, "bfloat16", BLOCK), block_layout=BLOCK_LAYOUT, tp_rank=0, tp_size=1
 )
 # bf16 logits: a prefill split at another point (loaded prefix + rest) rounds differently from a whole one.
 LOGPROB_TOLERANCE = 0.1
@@ -103,8 +105,9 @@ def _require_connector_deps() -> None:
         )
 
 
-@pytest.fixture(scope="module")
-def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
+def running_cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
+    """A ``kvstack cache-server`` process (chunks of ``CHUNK`` tokens, events with replay) for a module's
+    tests; stopped after them."""
     _require_connector_deps()
     workdir = tmp_path_factory.mktemp("cache-server")
     endpoint, events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
@@ -133,6 +136,11 @@ def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServ
         client.close()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
+    yield from running_cache_server(tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -361,324 +369,261 @@ def engine_b(
     engine.stop()
 
 
-MOVER_SCRIPT = textwrap.dedent(
+HAND_BUILT = textwrap.dedent(
     """
-    import sys, torch
-    from kvstack.cache.client import CacheClient
-    from kvstack.cache.keys import KVLayout, chunk_keys
-    from kvstack.connector.plan import RequestLoad, RequestSave, plan_load, plan_save
-    from kvstack.connector.worker import BlockMover
-
-    layout = KVLayout("block-mover-test", 3, 2, 64, "bfloat16", "test")
-    tokens = list(range(1000, 1600))
-    keys = [(k,) for k in chunk_keys(tokens, layout, 256)]
-    for shm in (True, False):
-        torch.manual_seed(0)
-        layers = [torch.randn(16, 2, 128, 128).to(torch.bfloat16) for _ in range(3)]
-        client = CacheClient(sys.argv[1], shm=shm)
-        client.evict([k[0] for k in keys])
-        mover = BlockMover(layers, blocks_per_chunk=2, rank=0, client=client)
-        assert mover.chunk_bytes == 3 * 2 * 2 * 128 * 128 * 2
-        saves = plan_save(keys, tokens, 0, 2, chunk_size=256, block_size=128, block_ids=[3, 4, 5, 6])
-        assert mover.save(RequestSave("r", None, saves))
-        expected = [t[[4, 5, 6]].clone() for t in layers]  # tokens [128, 512)
-        for t in layers:
-            t.zero_()
-        loads = plan_load(keys, 128, 512, chunk_size=256, block_size=128, block_ids=[9, 10, 11, 12])
-        assert mover.load(RequestLoad("r", loads)) == (2, []), "a full load"
-        for t, e in zip(layers, expected):
-            assert torch.equal(t[[10, 11, 12]], e), "the blocks, bit for bit"
-            assert not t[9].any() and not t[13:].any(), "no other block touched"
-        client.evict([keys[1][0]])
-        assert mover.load(RequestLoad("r", loads)) == (1, [11, 12]), "a missing chunk"
-        assert client.put([keys[1][0]], [b"x" * 100])
-        assert mover.load(RequestLoad("r", loads)) == (1, [11, 12]), "a chunk of the wrong size"
-        assert client.exists([keys[1][0]]) == [False], "is evicted"
-        assert client.stats.shm_bytes > 0 if shm else client.stats.shm_bytes == 0
-        client.close()
-    print("OK")
-    """
-)
-
-
-ADAPTER_SCRIPT = textwrap.dedent(
-    """
-    import sys, time
-    from types import SimpleNamespace
-    import torch
-    from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, SlidingWindowSpec
-    from kvstack.cache.client import CacheClient
-    from kvstack.cache.keys import chunk_keys
-    from kvstack.connector import AttentionShape, kv_layout
-    from kvstack.connector.plan import ChunkLoad, RequestLoad, StepPlan
-    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackConnectorMetadata
-
-    LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-    FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-
-    def connector(role, spec=FULL, server=sys.argv[1], **extra):
-        transfer = KVTransferConfig(
-            kv_connector="KVStackConnector",
-            kv_connector_module_path="kvstack.connector.vllm_v1",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"server": server, "model_id": "adapter", "timeout_s": 0.5, **extra},
-        )
-        vllm_config = SimpleNamespace(
-            kv_transfer_config=transfer,
-            cache_config=SimpleNamespace(block_size=128),
-            model_config=SimpleNamespace(model="/models/x"),
-            parallel_config=SimpleNamespace(
-                tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1
-            ),
-        )
-        kv_cache_config = SimpleNamespace(kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)])
-        return KVStackConnector(vllm_config, role, kv_cache_config)
-
-    tokens = list(range(100, 700))
-    request = SimpleNamespace(
-        request_id="r", prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None
-    )
-    shape = AttentionShape(2, 2, 64, "bfloat16", 128)
-    layout = kv_layout("adapter", shape, platform="cpu", tp_rank=0, tp_size=1)
-    with CacheClient(sys.argv[1]) as client:
-        assert client.put(chunk_keys(tokens, layout, 256), [b"x" * 10, b"y" * 10])
-
-    # A layout the worker cannot move: its loads fail (vLLM recomputes), and it tells the scheduler half,
-    # which stops offering hits.
-    scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (512, False)
-    worker.register_kv_caches({name: torch.zeros(2, 8, 128, 2, 64, dtype=torch.bfloat16) for name in LAYERS})
-    load = RequestLoad("r", (ChunkLoad((b"k" * 32,), 0, (3, 4)),))
-    worker.bind_connector_metadata(KVStackConnectorMetadata(StepPlan(loads=[load])))
-    worker.start_load_kv(None)
-    worker.wait_for_save()
-    assert worker.get_block_ids_with_load_errors() == {3, 4}
-    assert worker.get_block_ids_with_load_errors() == set()
-    report = worker.build_connector_worker_meta()
-    assert "[2,blocks,block,kv_heads,head]" in report.disabled, report
-    assert worker.build_connector_worker_meta() is None  # said once
-    scheduler.update_connector_output(SimpleNamespace(kv_connector_worker_meta=report))
-    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
-
-    # A model it cannot handle: off from the start.
-    sliding = SlidingWindowSpec(
-        block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
-    )
-    off = connector(KVConnectorRole.SCHEDULER, spec=sliding)
-    assert off.get_num_new_matched_tokens(request, 0) == (0, False)
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    step = SimpleNamespace(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=cached)
-    assert not off.build_connector_meta(step).plan
-
-    # No server: misses, one timeout and then none while it is considered down.
-    down = connector(KVConnectorRole.SCHEDULER, server="tcp://127.0.0.1:9")
-    started = time.monotonic()
-    assert [down.get_num_new_matched_tokens(request, 0) for _ in range(20)] == [(0, False)] * 20
-    assert time.monotonic() - started < 5
-
-    # A configuration that cannot work: an error at start-up that says what to set.
-    try:
-        connector(KVConnectorRole.SCHEDULER, chunk_size=200)
-    except ValueError as e:
-        assert "multiple of vLLM's block size 128" in str(e), e
-    else:
-        raise AssertionError("chunk_size 200 accepted")
-    print("OK")
-    """
-)
-
-
-CONTRACT_SCRIPT = textwrap.dedent(
-    """
-    import sys, time
+    import logging, sys, time
     from types import SimpleNamespace as NS
     import torch
     import vllm.distributed.parallel_state as parallel_state
     from vllm.config.kv_transfer import KVTransferConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-    from kvstack.cache.client import CacheClient
-    from kvstack.cache.keys import chunk_keys
-    from kvstack.connector import AttentionShape, kv_layout
-    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackWorkerReport
+    import kvstack.connector.vllm_v1 as vllm_v1
+    from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
+    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackLayoutReport
 
-    parallel_state.get_tensor_model_parallel_rank = lambda: 0  # no process group in this script
+    # No engine in this process: no process group (rank 0), and no attention layers in vLLM's forward
+    # context, so the backend a worker finds there is given (BACKEND[0]).
+    parallel_state.get_tensor_model_parallel_rank = lambda: 0
+    BACKEND = ["CPU_ATTN"]
+    vllm_v1.layer_backends = lambda vllm_config, names: {name: BACKEND[0] for name in names}
     LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
     FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    SHAPE = AttentionShape(2, 2, 64, "bfloat16", 128)
+    CPU_LAYOUT = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN", block_size=128)
+    LOG = []  # the connector's log lines
 
-    def connector(role):
+    class Kept(logging.Handler):
+        def emit(self, record):
+            LOG.append(record.getMessage())
+
+    logging.getLogger("vllm.kvstack.connector").addHandler(Kept())
+    logging.getLogger("vllm.kvstack.connector").setLevel(logging.INFO)
+
+    def connector(role, spec=FULL, server=sys.argv[1], tp_size=1, **extra):
         transfer = KVTransferConfig(
             kv_connector="KVStackConnector",
             kv_connector_module_path="kvstack.connector.vllm_v1",
             kv_role="kv_both",
             kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"server": sys.argv[1], "model_id": "contract", "timeout_s": 2.0},
+            kv_connector_extra_config={"server": server, "model_id": "hand-built", "timeout_s": 0.5, **extra},
         )
         vllm_config = NS(
             kv_transfer_config=transfer,
             cache_config=NS(block_size=128),
             model_config=NS(model="/models/x"),
             parallel_config=NS(
-                tensor_parallel_size=1, pipeline_parallel_size=1, decode_context_parallel_size=1
+                tensor_parallel_size=tp_size, pipeline_parallel_size=1, decode_context_parallel_size=1
             ),
         )
-        return KVStackConnector(vllm_config, role, NS(kv_cache_groups=[KVCacheGroupSpec(LAYERS, FULL)]))
+        return KVStackConnector(vllm_config, role, NS(kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]))
 
-    scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
-    torch.manual_seed(0)
-    kv = {name: torch.randn(16, 2, 128, 128).to(torch.bfloat16) for name in LAYERS}
-    worker.register_kv_caches(kv)
-    shape = AttentionShape(2, 2, 64, "bfloat16", 128)
-    layout = kv_layout("contract", shape, platform="cpu", tp_rank=0, tp_size=1)
-    sent, acked, vllm_finished = [], {}, set()
-
-    def request(rid, seed):
-        tokens = [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(600)]
+    def request(rid, seed, n=600):
+        tokens = [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(n)]
         return NS(request_id=rid, prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None)
-
-    def apply(report):
-        if report is not None:
-            for rid, n in report.saved.items():
-                acked[rid] = acked.get(rid, 0) + n
-            scheduler.update_connector_output(NS(kv_connector_worker_meta=report))
-
-    def step(new=(), finished=(), preempted=(), report_back=True):
-        # One engine step in vLLM's order: the scheduler half plans, the worker runs, the report returns.
-        for r, _ in new:
-            assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
-            scheduler.update_state_after_alloc(r, None, 0)
-        out = NS(
-            scheduled_new_reqs=[
-                NS(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=(b,),
-                   num_computed_tokens=0)
-                for r, b in new
-            ],
-            scheduled_cached_reqs=NS(
-                req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
-            ),
-            num_scheduled_tokens={r.request_id: 600 for r, _ in new},
-            preempted_req_ids=set(preempted),
-            finished_req_ids=set(finished),
-        )
-        vllm_finished.update(finished)
-        meta = scheduler.build_connector_meta(out)
-        worker.handle_preemptions(meta)
-        worker.bind_connector_metadata(meta)
-        worker.start_load_kv(None)
-        worker.wait_for_save()
-        sending, recving = worker.get_finished(out.finished_req_ids)
-        report = worker.build_connector_worker_meta()
-        worker.clear_connector_metadata()
-        assert recving is None and set(sending or ()) <= vllm_finished, (sending, vllm_finished)
-        sent.extend(sorted(sending or ()))
-        if report_back:
-            apply(report)
-        return meta.plan, report
-
-    def idle_until(done, within=10.0):
-        deadline = time.monotonic() + within
-        while not done():
-            assert time.monotonic() < deadline, (sent, acked)
-            step()
-            time.sleep(0.01)
-        for _ in range(3):
-            step()
-
-    r1, r2, r3 = request("r1", 1), request("r2", 2), request("r3", 3)
-
-    # r1 finishes in the step that computed it: its save may still read its blocks, so vLLM keeps them
-    # (request_finished runs before the step's report is applied) until the worker reports it, once.
-    plan, report = step(new=[(r1, [0, 1, 2, 3, 4])], report_back=False)
-    assert len(plan.saves) == 1 and sent == []
-    assert scheduler.request_finished(r1, [0, 1, 2, 3, 4]) == (True, None)
-    apply(report)
-    plan, _ = step(finished={"r1"})
-    assert plan.held == ["r1"], plan
-    idle_until(lambda: "r1" in sent)
-    assert sent == ["r1"], sent
-
-    # Its chunks reach the server, bit for bit the blocks (gathered straight into arena regions).
-    with CacheClient(sys.argv[1]) as client:
-        k = chunk_keys(r1.prompt_token_ids, layout, 256)
-        deadline = time.monotonic() + 10
-        while client.lookup(k) < 2:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
-        with client.get(k) as got:
-            for c, payload in enumerate(got):
-                want = torch.stack([kv[name][[2 * c, 2 * c + 1]] for name in LAYERS])
-                assert bytes(payload) == want.view(-1).view(torch.uint8).numpy().tobytes()
-
-    # r2's save is acknowledged before it finishes: its blocks are freed at once, and never reported.
-    step(new=[(r2, [5, 6, 7, 8, 9])])
-    idle_until(lambda: acked.get("r2") == 1)
-    assert scheduler.request_finished(r2, [5, 6, 7, 8, 9]) == (False, None)
-    plan, _ = step(finished={"r2"})
-    idle_until(lambda: True)
-    assert plan.held == [] and sent == ["r1"], sent
-
-    # r3 is preempted with its save in flight: the worker stops reading its blocks before the next
-    # forward pass (dropped if still queued); it is acknowledged either way, then finishes freely.
-    _, report = step(new=[(r3, [10, 11, 12, 13, 14])], report_back=False)
-    plan, _ = step(preempted={"r3"})
-    assert plan.preempted == ["r3"], plan
-    apply(report)
-    idle_until(lambda: acked.get("r3") == 1)
-    assert scheduler.request_finished(r3, [10, 11, 12, 13, 14]) == (False, None)
-
-    # Reports from several workers add up.
-    a, b = KVStackWorkerReport(None, {"x": 1}), KVStackWorkerReport("off", {"x": 1, "y": 2})
-    assert a.aggregate(b) == KVStackWorkerReport("off", {"x": 2, "y": 2})
-
-    started = time.monotonic()
-    worker.shutdown()
-    scheduler.shutdown()
-    assert time.monotonic() - started < 6
-    print("OK")
     """
 )
+"""A prelude for scripts that build the connector's halves by hand (in the vLLM environment, argv[1]: the
+cache server): vLLM's config objects where the connector reads them, stand-ins for what only an engine
+has (see the comment in it)."""
 
 
-def test_block_mover_round_trips_blocks_bit_for_bit(cache_server: CacheServerProcess) -> None:
-    """The worker's copies with torch (in the vLLM environment), through shared memory and the socket."""
+def run_hand_built(script: str, server: CacheServerProcess) -> None:
+    """``HAND_BUILT`` + ``script`` in the vLLM environment against ``server``; it must print OK."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     run = subprocess.run(
-        [str(vllm_python()), "-c", MOVER_SCRIPT, cache_server.endpoint],
+        [str(vllm_python()), "-c", HAND_BUILT + textwrap.dedent(script), server.endpoint],
         env=env,
         capture_output=True,
         text=True,
     )
     assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+
+
+ADAPTER_SCRIPT = """
+from kvstack.connector.plan import ChunkLoad, RequestLoad, StepPlan
+from kvstack.connector.vllm_v1 import KVStackConnectorMetadata
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+r = request("r", 1)
+
+# A KV cache the worker cannot move (an MLA-like latent cache): it says so at start-up, and the scheduler
+# half never keys or looks up anything; loads planned anyway fail (vLLM recomputes them).
+scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)
+assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)  # no namespace before the workers report
+worker.register_kv_caches({name: torch.zeros(8, 128, 576, dtype=torch.bfloat16) for name in LAYERS})
+report = worker.get_handshake_metadata()
+assert report.block_layout is None and "MLA latent KV cache" in report.problem, report
+scheduler.set_xfer_handshake_metadata({0: report})
+assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+assert any("off (rank 0: KV cache layout [blocks,block,latent]" in line for line in LOG), LOG
+load = RequestLoad("r", (ChunkLoad((b"k" * 32,), 0, (3, 4)),))
+worker.bind_connector_metadata(KVStackConnectorMetadata(StepPlan(loads=[load], block_layout=CPU_LAYOUT)))
+worker.start_load_kv(None)
+worker.wait_for_save()
+assert worker.get_block_ids_with_load_errors() == {3, 4}
+assert worker.get_block_ids_with_load_errors() == set()
+report = worker.build_connector_worker_meta()
+assert "[blocks,block,latent]" in report.disabled, report
+assert worker.build_connector_worker_meta() is None  # said once
+scheduler.update_connector_output(NS(kv_connector_worker_meta=report))
+assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+
+# A model it cannot handle: off from the start.
+sliding = SlidingWindowSpec(
+    block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=64
+)
+off = connector(KVConnectorRole.SCHEDULER, spec=sliding)
+assert off.get_num_new_matched_tokens(r, 0) == (0, False)
+cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+step = NS(num_scheduled_tokens={}, scheduled_new_reqs=[], scheduled_cached_reqs=cached)
+assert not off.build_connector_meta(step).plan
+
+# No server: misses, one timeout and then none while it is considered down.
+down = connector(KVConnectorRole.SCHEDULER, server="tcp://127.0.0.1:9")
+down.set_xfer_handshake_metadata({0: KVStackLayoutReport(CPU_LAYOUT)})
+started = time.monotonic()
+assert [down.get_num_new_matched_tokens(r, 0) for _ in range(20)] == [(0, False)] * 20
+assert time.monotonic() - started < 5
+
+# A configuration that cannot work: an error at start-up that says what to set.
+try:
+    connector(KVConnectorRole.SCHEDULER, chunk_size=200)
+except ValueError as e:
+    assert "multiple of vLLM's block size 128" in str(e), e
+else:
+    raise AssertionError("chunk_size 200 accepted")
+print("OK")
+"""
+
+
+CONTRACT_SCRIPT = """
+from kvstack.cache.client import CacheClient
+from kvstack.cache.keys import chunk_keys
+from kvstack.connector.vllm_v1 import KVStackWorkerReport
+
+scheduler = connector(KVConnectorRole.SCHEDULER, timeout_s=2.0)
+worker = connector(KVConnectorRole.WORKER, timeout_s=2.0)
+torch.manual_seed(0)
+kv = {name: torch.randn(16, 2, 128, 128).to(torch.bfloat16) for name in LAYERS}
+worker.register_kv_caches(kv)
+scheduler.set_xfer_handshake_metadata({0: worker.get_handshake_metadata()})  # as vLLM's engine core does
+layout = kv_layout("hand-built", SHAPE, block_layout=CPU_LAYOUT, tp_rank=0, tp_size=1)
+sent, acked, vllm_finished = [], {}, set()
+
+def apply(report):
+    if report is not None:
+        for rid, n in report.saved.items():
+            acked[rid] = acked.get(rid, 0) + n
+        scheduler.update_connector_output(NS(kv_connector_worker_meta=report))
+
+def step(new=(), finished=(), preempted=(), report_back=True):
+    # One engine step in vLLM's order: the scheduler half plans, the worker runs, the report returns.
+    for r, _ in new:
+        assert scheduler.get_num_new_matched_tokens(r, 0) == (0, False)
+        scheduler.update_state_after_alloc(r, None, 0)
+    out = NS(
+        scheduled_new_reqs=[
+            NS(req_id=r.request_id, prompt_token_ids=r.prompt_token_ids, block_ids=(b,),
+               num_computed_tokens=0)
+            for r, b in new
+        ],
+        scheduled_cached_reqs=NS(
+            req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[]
+        ),
+        num_scheduled_tokens={r.request_id: 600 for r, _ in new},
+        preempted_req_ids=set(preempted),
+        finished_req_ids=set(finished),
+    )
+    vllm_finished.update(finished)
+    meta = scheduler.build_connector_meta(out)
+    worker.handle_preemptions(meta)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    worker.wait_for_save()
+    sending, recving = worker.get_finished(out.finished_req_ids)
+    report = worker.build_connector_worker_meta()
+    worker.clear_connector_metadata()
+    assert recving is None and set(sending or ()) <= vllm_finished, (sending, vllm_finished)
+    sent.extend(sorted(sending or ()))
+    if report_back:
+        apply(report)
+    return meta.plan, report
+
+def idle_until(done, within=10.0):
+    deadline = time.monotonic() + within
+    while not done():
+        assert time.monotonic() < deadline, (sent, acked)
+        step()
+        time.sleep(0.01)
+    for _ in range(3):
+        step()
+
+r1, r2, r3 = request("r1", 1), request("r2", 2), request("r3", 3)
+
+# r1 finishes in the step that computed it: its save may still read its blocks, so vLLM keeps them
+# (request_finished runs before the step's report is applied) until the worker reports it, once.
+plan, report = step(new=[(r1, [0, 1, 2, 3, 4])], report_back=False)
+assert len(plan.saves) == 1 and sent == []
+assert scheduler.request_finished(r1, [0, 1, 2, 3, 4]) == (True, None)
+apply(report)
+plan, _ = step(finished={"r1"})
+assert plan.held == ["r1"], plan
+idle_until(lambda: "r1" in sent)
+assert sent == ["r1"], sent
+
+# Its chunks reach the server, bit for bit the blocks (gathered straight into arena regions).
+with CacheClient(sys.argv[1]) as client:
+    k = chunk_keys(r1.prompt_token_ids, layout, 256)
+    deadline = time.monotonic() + 10
+    while client.lookup(k) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    with client.get(k) as got:
+        for c, payload in enumerate(got):
+            want = torch.stack([kv[name][[2 * c, 2 * c + 1]] for name in LAYERS])
+            assert bytes(payload) == want.view(-1).view(torch.uint8).numpy().tobytes()
+
+# r2's save is acknowledged before it finishes: its blocks are freed at once, and never reported.
+step(new=[(r2, [5, 6, 7, 8, 9])])
+idle_until(lambda: acked.get("r2") == 1)
+assert scheduler.request_finished(r2, [5, 6, 7, 8, 9]) == (False, None)
+plan, _ = step(finished={"r2"})
+idle_until(lambda: True)
+assert plan.held == [] and sent == ["r1"], sent
+
+# r3 is preempted with its save in flight: the worker stops reading its blocks before the next
+# forward pass (dropped if still queued); it is acknowledged either way, then finishes freely.
+_, report = step(new=[(r3, [10, 11, 12, 13, 14])], report_back=False)
+plan, _ = step(preempted={"r3"})
+assert plan.preempted == ["r3"], plan
+apply(report)
+idle_until(lambda: acked.get("r3") == 1)
+assert scheduler.request_finished(r3, [10, 11, 12, 13, 14]) == (False, None)
+
+# Reports from several workers add up.
+a, b = KVStackWorkerReport(None, {"x": 1}), KVStackWorkerReport("off", {"x": 1, "y": 2})
+assert a.aggregate(b) == KVStackWorkerReport("off", {"x": 2, "y": 2})
+
+started = time.monotonic()
+worker.shutdown()
+scheduler.shutdown()
+assert time.monotonic() - started < 6
+print("OK")
+"""
 
 
 def test_connector_faults_never_reach_vllm(cache_server: CacheServerProcess) -> None:
     """The adapter built by hand (no engine): a refused layout, an unsupported model, no server, a bad
     setting."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    run = subprocess.run(
-        [str(vllm_python()), "-c", ADAPTER_SCRIPT, cache_server.endpoint],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+    run_hand_built(ADAPTER_SCRIPT, cache_server)
 
 
 def test_the_halves_follow_vllms_contract_for_asynchronous_saves(cache_server: CacheServerProcess) -> None:
     """Both halves built by hand (real torch KV, real server), stepped in vLLM's order: request_finished
     holds blocks only while a save may read them, get_finished reports each held request once, a
     preemption stops reads, the saved chunks are the blocks bit for bit."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    run = subprocess.run(
-        [str(vllm_python()), "-c", CONTRACT_SCRIPT, cache_server.endpoint],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
+    run_hand_built(CONTRACT_SCRIPT, cache_server)
 
 
 def test_engine_a_saves_full_prompt_chunks_under_keys_anyone_can_compute(
@@ -707,7 +652,11 @@ def test_engine_a_saves_full_prompt_chunks_under_keys_anyone_can_compute(
     log = cold["log"].read_text(errors="replace")
     assert "kvstack connector: 2 KV cache layers, each (64, 2, 128, 128) torch.bfloat16" in log
     assert "not saved" not in log  # no save dropped or failed
-    assert "kvstack connector: layout [blocks,kv_heads,block,2*head]" in log
+    # The worker found vLLM's CPU backend and its layout; the scheduler half got them at start-up, through
+    # vLLM's handshake metadata, and keyed the chunks (the lookups above) in that namespace.
+    assert f"kvstack connector: layout {BLOCK_LAYOUT}, " in log
+    assert f"kvstack connector: keys of KVLayout(model='{MODEL_ID}'" in log
+    assert f"block_layout='{BLOCK_LAYOUT}'" in log
 
 
 def test_engine_b_loads_the_prompt_instead_of_computing_it(

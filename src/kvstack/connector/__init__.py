@@ -11,11 +11,13 @@ here); this package's import pulls in neither torch nor vLLM::
       "kv_connector_extra_config": {"server": "tcp://127.0.0.1:5560", "chunk_size": 256}}'
 
 - config: the ``kv_connector_extra_config`` keys and defaults (`parse_config`).
-- layout: which KV cache tensor layouts work (vLLM's CPU backend), and the chunk-key namespace.
+- layout: which KV cache tensor layouts the copies handle (told from shapes), and the chunk-key namespace
+  (platform, attention backend, layout, block size; the workers report it at start-up).
 - plan / planner: the scheduler half's decisions, no vLLM types (`ChunkPlanner`, `StepPlan`).
 - saves: the worker's background save thread, bounded, and the bookkeeping that keeps a save's blocks
   allocated until it has read them (`SaveQueue`; no torch).
-- worker: whole-block copies between vLLM's KV cache and chunk payloads (`BlockMover`; torch).
+- worker: whole-block copies between vLLM's KV cache (CPU or a device) and chunk payloads (`BlockMover`;
+  torch).
 - vllm_v1: `KVStackConnector`, the adapter between vLLM's calls and the pieces above.
 
 Loads are synchronous (before the forward pass reads them); saves are asynchronous (a background thread
@@ -24,12 +26,20 @@ whatever fails to load; without it (vLLM's default "fail") such a request fails.
 """
 
 from kvstack.connector.config import ConfigError, ConnectorConfig, parse_config
-from kvstack.connector.layout import AttentionShape, LayoutVerdict, detect_layout, kv_layout
+from kvstack.connector.layout import (
+    PAGED_LAYOUT,
+    AttentionShape,
+    LayoutVerdict,
+    block_layout_name,
+    detect_layout,
+    kv_layout,
+)
 from kvstack.connector.plan import StepPlan, loadable_end, plan_load, plan_save
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
 from kvstack.connector.saves import SaveQueue, SaveStats
 
 __all__ = [
+    "PAGED_LAYOUT",
     "AttentionShape",
     "ChunkPlanner",
     "ConfigError",
@@ -38,6 +48,7 @@ __all__ = [
     "SaveQueue",
     "SaveStats",
     "StepPlan",
+    "block_layout_name",
     "detect_layout",
     "keys_by_rank",
     "kv_layout",

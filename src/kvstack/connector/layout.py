@@ -1,17 +1,33 @@
 """Which KV cache layouts the connector can move, told from tensor shapes alone, and the chunk-key namespace.
 
-The connector moves whole blocks: a chunk's payload is ``[layers, blocks_per_chunk, *block]``, every
-layer's blocks of the chunk's tokens, layers in the order of vLLM's KV cache group. Whole blocks make the
-bytes inside a block opaque, so any layout whose block is one index of the first dimension works; what
-the bytes mean is pinned by the key namespace (`kv_layout`), which names the platform, the block layout
-and the block size, so engines with different layouts never share a chunk.
+The connector moves whole blocks through a block-first view of each layer's cache: a block is one index
+of dimension 0 of that view (`LayoutVerdict.block_dim` says where it is in the tensor itself). A chunk's
+payload is ``[layers, blocks_per_chunk, *block]`` in the view's logical order, layers in the order of
+vLLM's KV cache group (``d`` = head size):
 
-Supported: vLLM 0.32's CPU backend, per layer ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``
-(inside a block and head, the kernel stores the block's K rows, then its V rows: ``[2 * block_size,
-head_size]``, not K and V side by side per token as the shape suggests; copying whole blocks never
-depends on it). Recognised and refused, with the reason: the GPU backends' K/V-split layouts and MLA's
-latent cache. Anything else is refused as unknown. A refused layout disables the connector; the engine
-runs as if it had none.
+=================================  =======================  ==============================================
+layer tensor                       block in the payload     seen in
+=================================  =======================  ==============================================
+[blocks,kv_heads,block,2*head]     [kv_heads, block, 2d]    vLLM 0.32, every backend (its per-layer view)
+[2,blocks,block,kv_heads,head]     [2, block, kv_heads, d]  K/V outside the blocks (flash-attn style)
+[2,blocks,kv_heads,block,head]     [2, kv_heads, block, d]
+[blocks,2,block,kv_heads,head]     [2, block, kv_heads, d]  K/V inside each block (flashinfer style)
+[blocks,2,kv_heads,block,head]     [2, kv_heads, block, d]
+=================================  =======================  ==============================================
+
+For the K/V-outer layouts the view swaps the first two dimensions, so a payload block is its K half then
+its V half, as for the K/V-inner ones. Refused, with the reason: MLA's latent cache (no K/V heads), and
+anything else (unknown). A refused layout disables the connector; the engine runs as if it had none.
+
+The copies never look inside a block, and the same shape can hold different bytes: in vLLM 0.32 the CPU
+backend stores a head's block as its K rows then its V rows, flash-attn K and V side by side per token.
+So the key namespace (`block_layout_name`) names the platform, the attention backend, the tensor layout
+and the block size, and engines that differ in any of them never share a chunk. vLLM's physical layout
+(``LBHNC``, ``LBNHC``, ...: which dimension is outermost in memory) is not in it: the copies go through
+the logical view, so a payload is the same whatever the strides.
+
+When ``kv_heads`` equals the block size, the two 5-D orders of one family have the same shape; they are
+named block-major. The copies are the same either way, and the backend in the namespace pins the meaning.
 """
 
 from __future__ import annotations
@@ -20,7 +36,14 @@ from dataclasses import dataclass
 
 from kvstack.cache.keys import KVLayout
 
-__all__ = ["AttentionShape", "LayoutVerdict", "block_layout_name", "detect_layout", "kv_layout"]
+__all__ = [
+    "PAGED_LAYOUT",
+    "AttentionShape",
+    "LayoutVerdict",
+    "block_layout_name",
+    "detect_layout",
+    "kv_layout",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,40 +66,35 @@ class LayoutVerdict:
     supported: bool
     reason: str = ""
     """Why it is refused (empty when supported)."""
+    block_dim: int = 0
+    """The tensor dimension that indexes blocks (1 for the K/V-outer layouts ``[2, blocks, ...]``)."""
 
 
-CPU_LAYOUT = "[blocks,kv_heads,block,2*head]"
+PAGED_LAYOUT = "[blocks,kv_heads,block,2*head]"
+"""vLLM 0.32's per-layer view for every attention backend (``allocate_kv_cache``: ``[B, H, N, C]``)."""
+
+_SPLIT_KV = {
+    (2, None, "n", "h"): ("[2,blocks,block,kv_heads,head]", 1),
+    (2, None, "h", "n"): ("[2,blocks,kv_heads,block,head]", 1),
+    (None, 2, "n", "h"): ("[blocks,2,block,kv_heads,head]", 0),
+    (None, 2, "h", "n"): ("[blocks,2,kv_heads,block,head]", 0),
+}
 
 
-def detect_layout(shape: tuple[int, ...], attn: AttentionShape, *, platform: str) -> LayoutVerdict:
-    """The layout of one layer's KV cache tensor of ``shape`` on ``platform`` ("cpu", "cuda", ...)."""
+def detect_layout(shape: tuple[int, ...], attn: AttentionShape) -> LayoutVerdict:
+    """The layout of one layer's KV cache tensor of ``shape``."""
     h, n, d = attn.num_kv_heads, attn.block_size, attn.head_size
     if len(shape) == 4 and shape[1:] == (h, n, 2 * d):
-        if platform != "cpu":
+        return LayoutVerdict(PAGED_LAYOUT, True)
+    if len(shape) == 5 and shape[-1] == d:
+        if shape[:2] == (2, 2):
             return LayoutVerdict(
-                CPU_LAYOUT,
-                False,
-                f"the {CPU_LAYOUT} layout on {platform} is not verified yet (its block's K/V order depends "
-                "on the attention backend); the connector supports the CPU backend",
+                "unknown", False, f"KV cache shape {tuple(shape)} is ambiguous: K/V and 2 blocks in front"
             )
-        return LayoutVerdict(CPU_LAYOUT, True)
-    known = {
-        (2, None, n, h, d): "[2,blocks,block,kv_heads,head]",
-        (2, None, h, n, d): "[2,blocks,kv_heads,block,head]",
-        (None, 2, n, h, d): "[blocks,2,block,kv_heads,head]",
-        (None, 2, h, n, d): "[blocks,2,kv_heads,block,head]",
-    }
-    for pattern, name in known.items():
-        matches = len(shape) == len(pattern) and all(
-            p in (None, s) for p, s in zip(pattern, shape, strict=False)
-        )
-        if matches:
-            return LayoutVerdict(
-                name,
-                False,
-                f"the GPU-style {name} layout is not supported yet (K and V are split outside the block); "
-                "run the connector on the CPU backend",
-            )
+        sizes = {"n": n, "h": h}
+        for (k0, k1, a, b), (name, block_dim) in _SPLIT_KV.items():
+            if k0 in (None, shape[0]) and k1 in (None, shape[1]) and shape[2:4] == (sizes[a], sizes[b]):
+                return LayoutVerdict(name, True, block_dim=block_dim)
     if len(shape) == 3 and shape[1] == n:
         return LayoutVerdict(
             "[blocks,block,latent]", False, "an MLA latent KV cache is not supported (no K/V heads)"
@@ -84,25 +102,28 @@ def detect_layout(shape: tuple[int, ...], attn: AttentionShape, *, platform: str
     return LayoutVerdict(
         "unknown",
         False,
-        f"unknown KV cache shape {tuple(shape)} for {h} KV heads, block {n}, head size {d}; "
-        f"expected {CPU_LAYOUT} = (num_blocks, {h}, {n}, {2 * d})",
+        f"unknown KV cache shape {tuple(shape)} for {h} KV heads, block {n}, head size {d}; expected "
+        f"{PAGED_LAYOUT} = (num_blocks, {h}, {n}, {2 * d}) or a K/V-split 5-D layout (a block split into "
+        "smaller kernel blocks is not supported)",
     )
 
 
-def block_layout_name(attn: AttentionShape, platform: str) -> str:
-    """The block layout part of the key namespace: platform, layout and block size."""
-    return f"vllm-{platform}:{CPU_LAYOUT.replace(',block,', f',block={attn.block_size},')}"
+def block_layout_name(layout: str, *, platform: str, backend: str, block_size: int) -> str:
+    """The block layout part of the key namespace: platform, attention backend, tensor layout and block
+    size, e.g. "vllm-cpu/CPU_ATTN:[blocks,kv_heads,block=128,2*head]"."""
+    return f"vllm-{platform}/{backend}:{layout.replace(',block,', f',block={block_size},')}"
 
 
-def kv_layout(model: str, attn: AttentionShape, *, platform: str, tp_rank: int, tp_size: int) -> KVLayout:
-    """The chunk-key namespace of one tensor-parallel rank of this engine."""
+def kv_layout(model: str, attn: AttentionShape, *, block_layout: str, tp_rank: int, tp_size: int) -> KVLayout:
+    """The chunk-key namespace of one tensor-parallel rank of this engine (``block_layout`` from
+    `block_layout_name`)."""
     return KVLayout(
         model=model,
         num_layers=attn.num_layers,
         num_kv_heads=attn.num_kv_heads,
         head_size=attn.head_size,
         dtype=attn.dtype,
-        block_layout=block_layout_name(attn, platform),
+        block_layout=block_layout,
         tp_rank=tp_rank,
         tp_size=tp_size,
     )

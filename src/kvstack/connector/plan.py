@@ -88,6 +88,9 @@ class StepPlan:
     """Finished requests whose blocks vLLM keeps until the workers report their saves done."""
     preempted: list[str] = field(default_factory=list)
     """Requests with saves in flight whose blocks vLLM freed (preemption): stop reading them now."""
+    block_layout: str = ""
+    """The block layout of the key namespace the plan's chunk keys belong to (``kvstack.connector.layout``):
+    a worker whose KV cache has another one must not load or save them."""
 
     def __bool__(self) -> bool:
         return bool(self.loads or self.saves or self.failed_block_ids or self.held or self.preempted)

@@ -106,6 +106,13 @@ class ChunkPlanner:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
 
+    def enable(self, keys_for: KeysFor) -> None:
+        """Start looking up, loading and saving with chunk keys from ``keys_for`` (a planner built with
+        ``disabled`` set waits for this: the key namespace is known only once the workers report their KV
+        cache layout)."""
+        self.keys_for = keys_for
+        self.disabled = None
+
     def disable(self, reason: str) -> None:
         """Stop looking up, loading and saving (e.g. the workers refused the KV cache layout). Saves
         already planned are still tracked until acknowledged."""

@@ -3,6 +3,8 @@ computed chunks out of vLLM's KV blocks and sends them, so the forward pass neve
 
 A step's `RequestSave` is one job. `SaveQueue` runs jobs in order on its thread in two phases: ``gather``
 (reads the request's KV blocks into payloads) and ``send`` (puts the payloads; blocks no longer needed).
+A job may come with ``ready``, called on the thread before its gather: for a KV cache on a device, it
+waits until the forward pass that wrote the blocks has finished (the caller's thread does not wait).
 It never blocks the caller: a job that finds the queue full (``capacity`` jobs waiting) is dropped and
 counted, and a failed gather or send is counted, never raised; either way the chunks are a future miss.
 
@@ -80,7 +82,7 @@ class SaveQueue(Generic[T]):
         self._warn = ThrottledLog(self._log, 10.0)  # used under _cond only
         self._name = name
         self._cond = threading.Condition()
-        self._queue: deque[RequestSave] = deque()
+        self._queue: deque[tuple[RequestSave, Callable[[], None] | None]] = deque()
         self._reading: RequestSave | None = None
         self._unread: dict[str, int] = {}
         """Jobs per request not done reading its blocks (queued or gathering)."""
@@ -93,8 +95,9 @@ class SaveQueue(Generic[T]):
 
     # -- the forward pass's side (never blocks, except `cancel` for a gather in progress)
 
-    def submit(self, save: RequestSave) -> bool:
-        """Queue ``save``; False when it is dropped (queue full, or closed)."""
+    def submit(self, save: RequestSave, ready: Callable[[], None] | None = None) -> bool:
+        """Queue ``save`` (``ready`` is called on the save thread before its gather); False when it is
+        dropped (queue full, or closed)."""
         with self._cond:
             if self._closing:
                 self.stats.abandoned += 1
@@ -110,7 +113,7 @@ class SaveQueue(Generic[T]):
                     len(save.chunks),
                 )
                 return False
-            self._queue.append(save)
+            self._queue.append((save, ready))
             self._unread[save.req_id] = self._unread.get(save.req_id, 0) + 1
             self.stats.queued += 1
             if self._thread is None:
@@ -131,14 +134,14 @@ class SaveQueue(Generic[T]):
         if not req_ids:
             return 0
         with self._cond:
-            keep: deque[RequestSave] = deque()
+            keep: deque[tuple[RequestSave, Callable[[], None] | None]] = deque()
             dropped = 0
-            for save in self._queue:
-                if save.req_id in req_ids:
+            for job in self._queue:
+                if job[0].req_id in req_ids:
                     dropped += 1
-                    self._done_reading(save.req_id)
+                    self._done_reading(job[0].req_id)
                 else:
-                    keep.append(save)
+                    keep.append(job)
             self._queue = keep
             self.stats.cancelled += dropped
             # A gather is a memory copy after one bounded reserve round trip: this wait is short.
@@ -198,9 +201,11 @@ class SaveQueue(Generic[T]):
                     if self._closing and (not self._queue or time.monotonic() > self._drain_until):
                         self._abandon_queued()
                         return
-                    save = self._queue.popleft()
+                    save, ready = self._queue.popleft()
                     self._reading = save
                 try:
+                    if ready is not None:
+                        ready()
                     payload = self._gather(save)
                 except Exception as e:
                     self._failed(save, "gathering", e)
@@ -244,7 +249,7 @@ class SaveQueue(Generic[T]):
     # -- bookkeeping (under _cond)
 
     def _abandon_queued(self) -> None:
-        for save in self._queue:
+        for save, _ in self._queue:
             self.stats.abandoned += 1
             self._done_reading(save.req_id)
         self._queue.clear()

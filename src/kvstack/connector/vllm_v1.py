@@ -27,10 +27,23 @@ in ``get_block_ids_with_load_errors``, a save that fails is dropped and counted.
 ``"kv_load_failure_policy": "recompute"`` in ``--kv-transfer-config``: vLLM then recomputes the blocks of a
 failed load (a lost, corrupt or wrong-sized chunk) and the request is answered as if nothing had been
 loaded; under vLLM's default, "fail", such a request fails (a warning at start-up says so). A KV cache
-layout or model the connector cannot handle turns it off (logged once, and the worker tells the scheduler
-half through its worker metadata); the engine then runs as if it had no connector. ``shutdown`` sends
-what is queued for up to 5 s and drops the rest; vLLM waits for it only with ``--shutdown-timeout`` > 0
-(its default, 0, kills the workers at once: saves still queued are lost, future misses).
+layout or model the connector cannot handle turns it off (logged once); the engine then runs as if it had
+no connector. ``shutdown`` sends what is queued for up to 5 s and drops the rest; vLLM waits for it only
+with ``--shutdown-timeout`` > 0 (its default, 0, kills the workers at once: saves still queued are lost,
+future misses).
+
+The key namespace names the KV cache layout and the attention backend (``kvstack.connector.layout``),
+which only the workers know: vLLM builds the scheduler half from the config and the KV cache spec, with no
+tensors, and its config names a backend only when the user chose one (vLLM's selector picks it per layer
+in the workers; ``cache_config.kv_cache_layout`` is the physical order in memory, not the tensor layout).
+So each worker, in ``register_kv_caches``, detects its layout from the tensors and its backend from its
+attention layers, and reports the namespace's block layout as vLLM's handshake metadata
+(``get_handshake_metadata``); vLLM's engine core hands the workers' reports to the scheduler half
+(``set_xfer_handshake_metadata``) after the KV caches are registered and before the first request. The
+scheduler half keys nothing until every tensor-parallel rank has reported the same block layout (a rank
+that reports a problem, or ranks that disagree, turn the connector off). Every step's plan names the
+block layout its keys belong to; a worker whose own differs turns itself off (its loads fail and are
+recomputed, its saves are skipped) and tells the scheduler half through its worker metadata.
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -38,13 +51,14 @@ what is queued for up to 5 s and drops the rest; vLLM waits for it only with ``-
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
@@ -55,7 +69,7 @@ from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.protocol import ThrottledLog
 from kvstack.connector.config import ConnectorConfig, parse_config
-from kvstack.connector.layout import AttentionShape, detect_layout, kv_layout
+from kvstack.connector.layout import AttentionShape, block_layout_name, detect_layout, kv_layout
 from kvstack.connector.plan import RequestSave, StepPlan
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
 from kvstack.connector.saves import SaveQueue
@@ -71,13 +85,14 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-__all__ = ["KVStackConnector", "KVStackConnectorMetadata", "KVStackWorkerReport"]
+__all__ = ["KVStackConnector", "KVStackConnectorMetadata", "KVStackLayoutReport", "KVStackWorkerReport"]
 
 # A child of vLLM's logger: vLLM configures only "vllm", so these lines get its handler, format and level.
 log = logging.getLogger("vllm.kvstack.connector")
 
 _TIER_SOURCES = {"memory": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
 _DRAIN_S = 5.0  # shutdown: how long queued saves may still be sent
+_AWAITING_LAYOUT = "the workers have not reported their KV cache layout yet"
 
 
 @dataclass
@@ -103,6 +118,42 @@ class KVStackWorkerReport(KVConnectorWorkerMetadata):
         for req_id, n in other.saved.items():
             saved[req_id] = saved.get(req_id, 0) + n
         return KVStackWorkerReport(self.disabled or other.disabled, saved)
+
+
+@dataclass
+class KVStackLayoutReport(KVConnectorHandshakeMetadata):
+    """A worker -> the scheduler half, once at start-up (vLLM's handshake metadata): the block layout its
+    KV cache gives the key namespace, or why it cannot move its KV cache."""
+
+    block_layout: str | None
+    problem: str | None = None
+
+
+def agreed_block_layout(reports: Mapping[int, object], tp_size: int) -> tuple[str | None, str | None]:
+    """The block layout every tensor-parallel rank reported, or why there is none: (layout, problem)."""
+    missing = [rank for rank in range(tp_size) if not isinstance(reports.get(rank), KVStackLayoutReport)]
+    if missing:
+        return None, f"tensor-parallel ranks {missing} reported no KV cache layout"
+    layouts: dict[str, list[int]] = {}
+    for rank in range(tp_size):
+        report = reports[rank]
+        assert isinstance(report, KVStackLayoutReport)
+        if report.problem is not None or report.block_layout is None:
+            return None, f"rank {rank}: {report.problem or 'no KV cache layout'}"
+        layouts.setdefault(report.block_layout, []).append(rank)
+    if len(layouts) > 1:
+        return None, f"the tensor-parallel ranks' KV cache layouts differ: {layouts}"
+    return next(iter(layouts)), None
+
+
+def layer_backends(vllm_config: VllmConfig, layer_names: Sequence[str]) -> dict[str, str]:
+    """The attention backend (vLLM's name, e.g. "CPU_ATTN") of each of ``layer_names`` this process knows
+    (vLLM's forward context); layers it does not know are left out."""
+    from vllm.config import get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    layers = get_layers_from_vllm_config(vllm_config, AttentionLayerBase, layer_names)
+    return {name: layer.get_attn_backend().get_name() for name, layer in layers.items()}
 
 
 def attention_shape(kv_cache_config: KVCacheConfig | None) -> tuple[AttentionShape | None, str | None]:
@@ -170,8 +221,11 @@ class KVStackConnector(KVConnectorBase_V1):
         self._engine = self._kv_transfer_config.engine_id or ""
         self._warn = ThrottledLog(log, 10.0)
         self._client: CacheClient | None = None
+        self._block_layout: str | None = None
+        """The key namespace's block layout: the workers' (scheduler half), this worker's (worker half)."""
         # scheduler half
         self._planner: ChunkPlanner | None = None
+        self._said_waiting = False
         # worker half
         self._mover: BlockMover | None = None
         self._saves: SaveQueue[Payloads] = SaveQueue(
@@ -201,33 +255,27 @@ class KVStackConnector(KVConnectorBase_V1):
 
     def _start_scheduler(self) -> None:
         config, transfer = self._config, self._kv_transfer_config
-        layouts = [
-            kv_layout(self._model, self._attn, platform=self._platform, tp_rank=r, tp_size=self._tp_size)
-            for r in range(self._tp_size)
-            if self._attn is not None
-        ]
         self._planner = ChunkPlanner(
             chunk_size=config.chunk_size,
             block_size=self._block_size,
-            keys_for=keys_by_rank(layouts, config.chunk_size),
+            keys_for=lambda token_ids: [],
             locate=self._locate,
             load=config.load and transfer.is_kv_consumer,
             save=config.save and transfer.is_kv_producer,
             workers=self._tp_size,
             log=log,
+            disabled=self._disabled or _AWAITING_LAYOUT,  # `set_xfer_handshake_metadata` enables it
         )
         if self._disabled is not None:
-            self._planner.disable(self._disabled)
             return
         self._client = self._new_client(shm=False, name=f"vllm-scheduler:{self._engine}")
         log.info(
-            "kvstack connector: server %s, chunks of %d tokens (%d blocks), load %s, save %s, keys of %s",
+            "kvstack connector: server %s, chunks of %d tokens (%d blocks), load %s, save %s",
             config.server,
             config.chunk_size,
             config.chunk_size // self._block_size,
             self._planner.load,
             self._planner.save,
-            layouts[0],
         )
         if transfer.kv_load_failure_policy != "recompute":
             log.warning(
@@ -235,6 +283,26 @@ class KVStackConnector(KVConnectorBase_V1):
                 'request; set "kv_load_failure_policy": "recompute" in --kv-transfer-config to recompute it',
                 transfer.kv_load_failure_policy,
             )
+
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
+        """The workers' KV cache layouts (vLLM calls this once, before the first request): the key
+        namespace, if they agree."""
+        planner = self._planner
+        if planner is None or self._attn is None or planner.disabled != _AWAITING_LAYOUT:
+            return
+        block_layout, problem = agreed_block_layout(metadata, self._tp_size)
+        if block_layout is None:
+            self._disabled = problem or "no KV cache layout"
+            planner.disable(self._disabled)
+            log.warning("kvstack connector: off (%s); the engine runs without the KV cache tier", problem)
+            return
+        self._block_layout = block_layout
+        layouts = [
+            kv_layout(self._model, self._attn, block_layout=block_layout, tp_rank=r, tp_size=self._tp_size)
+            for r in range(self._tp_size)
+        ]
+        planner.enable(keys_by_rank(layouts, self._config.chunk_size))
+        log.info("kvstack connector: keys of %s", layouts[0])
 
     def _new_client(self, *, shm: bool, name: str) -> CacheClient:
         config = self._config
@@ -256,6 +324,13 @@ class KVStackConnector(KVConnectorBase_V1):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self._planner is not None
+        if self._planner.disabled == _AWAITING_LAYOUT and not self._said_waiting:
+            self._said_waiting = True
+            log.warning(
+                "kvstack connector: off until the workers report their KV cache layout (vLLM passes it "
+                "with the workers' handshake metadata at start-up; this vLLM has not): no chunk is "
+                "looked up or saved"
+            )
         try:
             tokens = cacheable_tokens(request)
             return self._planner.match(request.request_id, tokens, num_computed_tokens), False
@@ -308,7 +383,9 @@ class KVStackConnector(KVConnectorBase_V1):
                 )
         except Exception as e:
             self._warn.warning("kvstack connector: planning the step failed (%r); nothing saved this step", e)
-        return KVStackConnectorMetadata(planner.take_plan())
+        plan = planner.take_plan()
+        plan.block_layout = self._block_layout or ""
+        return KVStackConnectorMetadata(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -355,16 +432,28 @@ class KVStackConnector(KVConnectorBase_V1):
             tuple(first.stride()),
             self._attn,
         )
-        verdict = detect_layout(tuple(first.shape), self._attn, platform=self._platform)
+        verdict = detect_layout(tuple(first.shape), self._attn)
         if not verdict.supported:
             self._disable(f"KV cache layout {verdict.name}: {verdict.reason}")
             return
-        if any(t.shape != first.shape or t.dtype != first.dtype for t in layers):
-            self._disable("the layers' KV caches differ in shape or dtype")
+        if any(t.shape != first.shape or t.dtype != first.dtype or t.device != first.device for t in layers):
+            self._disable("the layers' KV caches differ in shape, dtype or device")
             return
         if str(first.dtype).removeprefix("torch.") != self._attn.dtype:
             self._disable(f"KV cache dtype {first.dtype} is not the spec's {self._attn.dtype}")
             return
+        backends = set(layer_backends(self._vllm_config, names).values())
+        if len(backends) != 1:
+            self._disable(
+                f"the attention layers use backends {sorted(backends)}; the key namespace needs exactly one"
+                if backends
+                else f"cannot tell which attention backend layers {names[:3]} use (none in vLLM's forward "
+                "context)"
+            )
+            return
+        self._block_layout = block_layout_name(
+            verdict.name, platform=self._platform, backend=backends.pop(), block_size=self._attn.block_size
+        )
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
         rank = get_tensor_model_parallel_rank()
@@ -375,14 +464,22 @@ class KVStackConnector(KVConnectorBase_V1):
             rank=rank,
             client=self._new_client(shm=shm, name=f"vllm-worker{rank}:{self._engine}"),
             save_client=self._new_client(shm=shm, name=f"vllm-worker{rank}-saves:{self._engine}"),
+            block_dim=verdict.block_dim,
         )
         log.info(
             "kvstack connector: layout %s, %d bytes per chunk, rank %d of %d",
-            verdict.name,
+            self._block_layout,
             self._mover.chunk_bytes,
             rank,
             self._tp_size,
         )
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self._role != KVConnectorRole.WORKER:
+            return None
+        if self._disabled is None and self._block_layout is None:
+            return KVStackLayoutReport(None, "vLLM registered no KV cache with the connector")
+        return KVStackLayoutReport(self._block_layout, self._disabled)
 
     def _disable(self, reason: str) -> None:
         self._disabled = reason
@@ -392,17 +489,31 @@ class KVStackConnector(KVConnectorBase_V1):
         meta = self._connector_metadata
         return meta.plan if isinstance(meta, KVStackConnectorMetadata) else None
 
+    def _mover_for(self, plan: StepPlan) -> BlockMover | None:
+        """The mover, if the plan's chunk keys are of this worker's KV cache layout (else the connector
+        turns off: its keys would name bytes of another layout)."""
+        if self._disabled is not None or self._mover is None:
+            return None
+        if (plan.loads or plan.saves) and plan.block_layout != self._block_layout:
+            self._disable(
+                f"the scheduler half keys chunks of KV cache layout {plan.block_layout!r}, this worker's "
+                f"is {self._block_layout!r}"
+            )
+            return None
+        return self._mover
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         plan = self._plan()
         if plan is None:
             return
         self._failed.update(plan.failed_block_ids)
+        mover = self._mover_for(plan)
         for load in plan.loads:
-            if self._mover is None:
+            if mover is None:
                 self._failed.update(load.block_ids())
                 continue
             try:
-                loaded, failed = self._mover.load(load)
+                loaded, failed = mover.load(load)
             except Exception as e:  # a bug here must cost a recompute, not the engine
                 loaded, failed = 0, load.block_ids()
                 log.exception("kvstack connector: loading %s failed: %r", load.req_id, e)
@@ -428,11 +539,14 @@ class KVStackConnector(KVConnectorBase_V1):
         plan = self._plan()
         if plan is None:
             return
-        for save in plan.saves:  # the step's forward pass has written these blocks
-            if self._mover is None:
+        mover = self._mover_for(plan)
+        # The step's forward pass has written these blocks (on a device: once `ready` returns).
+        ready = mover.written() if mover is not None and plan.saves else None
+        for save in plan.saves:
+            if mover is None:
                 self._saves.skip(save)
             else:
-                self._saves.submit(save)
+                self._saves.submit(save, ready)
 
     def _gather(self, save: RequestSave) -> Payloads:
         assert self._mover is not None  # saves are queued only with a mover

@@ -1,12 +1,23 @@
 """The worker half's I/O: whole KV blocks between vLLM's per-layer cache tensors and chunk payloads.
 
 A chunk's payload is the raw bytes of a ``[layers, blocks_per_chunk, *block]`` tensor (one per chunk,
-every layer in it, so the store's chunk is the router's block); its size is checked on load, its meaning
-is pinned by the key namespace (see ``kvstack.connector.layout``). A load is synchronous: copied in before
-the forward pass reads it. A save has two phases, run by the background thread of
-``kvstack.connector.saves``: ``gather`` copies the blocks (the only phase that reads them) straight into
-arena regions reserved from the save client, ``send`` puts those regions (offsets, no further copy).
-Loads and saves use two clients: a `CacheClient` is not thread-safe.
+every layer in it, so the store's chunk is the router's block), where ``block`` is one block of a layer's
+block-first view: the tensor itself when blocks index its first dimension, the tensor with its first two
+dimensions swapped for the K/V-outer layouts ``[2, blocks, ...]`` (a block is then ``[2, *rest]``, its K
+half and its V half; see ``kvstack.connector.layout``). Its size is checked on load, its meaning is
+pinned by the key namespace.
+
+A load is synchronous: copied in before the forward pass reads it. A save has two phases, run by the
+background thread of ``kvstack.connector.saves``: ``gather`` copies the blocks (the only phase that reads
+them) straight into arena regions reserved from the save client, ``send`` puts those regions (offsets, no
+further copy). Loads and saves use two clients: a `CacheClient` is not thread-safe.
+
+Device caches (CUDA and the like): a load copies the chunk's part to the device in one synchronous copy
+(the payload has been read when it returns), then scatters it into the blocks on the device, in stream
+order before the forward pass. A save first waits for the forward pass that wrote the blocks (`written`:
+a device event recorded after it, waited on by the save thread), gathers the blocks on the device and
+copies them to the host region in one synchronous copy (the blocks have been read when it returns, so
+vLLM may reuse them). On the CPU none of this applies: blocks are copied in place.
 
 `BlockMover` never raises for a cache fault: a lost or malformed chunk is a failed load (its blocks and
 every later block of the request are returned as failed, so vLLM recomputes them; a chunk of the wrong
@@ -19,7 +30,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -32,9 +43,10 @@ __all__ = ["BlockMover"]
 
 
 class BlockMover:
-    """Copies chunks between the cache server and the KV blocks of ``layers`` (``[num_blocks, *block]``
-    each, in the key namespace's layer order), as tensor-parallel rank ``rank``: loads through
-    ``client``, saves through ``save_client`` (the same one unless saves run on another thread)."""
+    """Copies chunks between the cache server and the KV blocks of ``layers`` (one tensor per layer, in
+    the key namespace's layer order, blocks along dimension ``block_dim``), as tensor-parallel rank
+    ``rank``: loads through ``client``, saves through ``save_client`` (the same one unless saves run on
+    another thread)."""
 
     def __init__(
         self,
@@ -44,13 +56,21 @@ class BlockMover:
         rank: int,
         client: CacheClient,
         save_client: CacheClient | None = None,
+        block_dim: int = 0,
     ) -> None:
         if not layers:
             raise ValueError("no KV cache layers to move")
-        self._layers = list(layers)
-        self._dtype = layers[0].dtype
-        self.chunk_shape = (len(layers), blocks_per_chunk, *layers[0].shape[1:])
-        self.chunk_bytes = math.prod(self.chunk_shape) * layers[0].element_size()
+        if block_dim not in (0, 1):
+            raise ValueError(f"blocks must index dimension 0 or 1, got {block_dim}")
+        # Views, never copies: writes through them land in vLLM's cache, whatever its strides.
+        self._blocks = [t.transpose(0, 1) if block_dim else t for t in layers]
+        first = self._blocks[0]
+        self._dtype = first.dtype
+        self._device = first.device
+        self._on_host = first.device.type == "cpu"
+        self.block_shape = tuple(first.shape[1:])
+        self.chunk_shape = (len(layers), blocks_per_chunk, *self.block_shape)
+        self.chunk_bytes = math.prod(self.chunk_shape) * first.element_size()
         self._rank = rank
         self.client = client
         self.save_client = save_client or client
@@ -71,6 +91,15 @@ class BlockMover:
                     return i, load.block_ids(i)
                 self._copy_in(got[i], chunk)
         return len(load.chunks), []
+
+    def written(self) -> Callable[[], None] | None:
+        """Called after a forward pass, on its thread: what a save thread must call before gathering the
+        blocks that pass wrote (None on the CPU, where the pass is over when it returns)."""
+        if self._on_host:
+            return None
+        event = torch.Event(device=self._device)
+        event.record()  # on the device's current stream, behind the forward pass's kernels
+        return event.synchronize
 
     def save(self, save: RequestSave) -> bool:
         """Both phases at once (a synchronous save)."""
@@ -106,10 +135,13 @@ class BlockMover:
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
         source = raw.view(self._dtype).view(self.chunk_shape)
-        blocks = slice(chunk.first_block, chunk.first_block + len(chunk.block_ids))
-        index = torch.tensor(chunk.block_ids, dtype=torch.long)
-        for layer, cache in enumerate(self._layers):
-            cache.index_copy_(0, index, source[layer, blocks])
+        part = source[:, chunk.first_block : chunk.first_block + len(chunk.block_ids)]
+        # To a device: one synchronous copy, done reading the payload when it returns (the caller then
+        # releases it). On the CPU: no copy, the blocks are filled from the payload directly.
+        part = part.to(self._device)
+        index = torch.tensor(chunk.block_ids, dtype=torch.long, device=self._device)
+        for layer, blocks in enumerate(self._blocks):
+            blocks.index_copy_(0, index, part[layer])
 
     def _gather_into(self, region: memoryview, block_ids: Sequence[int]) -> None:
         # The tensor over the region dies here: the put can then release the view (no export left).
@@ -122,6 +154,11 @@ class BlockMover:
         return memoryview(out.view(-1).view(torch.uint8).numpy())
 
     def _index_select(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long)
-        for layer, cache in enumerate(self._layers):
-            torch.index_select(cache, 0, index, out=out[layer])
+        """The blocks ``block_ids`` of every layer into ``out`` (host memory, the chunk's shape)."""
+        index = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        if self._on_host:
+            for layer, blocks in enumerate(self._blocks):
+                torch.index_select(blocks, 0, index, out=out[layer])
+            return
+        staged = torch.stack([blocks.index_select(0, index) for blocks in self._blocks])
+        out.copy_(staged)  # device -> host, synchronous: the blocks have been read when it returns
