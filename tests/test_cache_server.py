@@ -497,3 +497,29 @@ async def test_bad_server_arguments() -> None:
         taken = CacheServer(store, srv.endpoint or "")
         with pytest.raises(OSError, match="cannot bind"):
             await taken.start()
+
+
+def test_request_counts_render_as_prometheus_counters_and_histograms() -> None:
+    from kvstack.cache.metrics import CacheMetrics
+
+    metrics = CacheMetrics(TieredStore([MemoryTier(1 << 20)]))
+    for seconds in (0.00005, 0.0002, 0.001, 7.0):  # a bucket's bound counts in it; 7 s only in +Inf
+        metrics.request_done("lookup", True, seconds)
+    metrics.request_done("get", False, 0.01)
+    lines = metrics.render().decode().splitlines()
+    expected = {
+        'kvstack_cache_operation_seconds_bucket{le="5e-05",op="lookup"} 1.0',
+        'kvstack_cache_operation_seconds_bucket{le="0.0001",op="lookup"} 1.0',
+        'kvstack_cache_operation_seconds_bucket{le="0.00025",op="lookup"} 2.0',
+        'kvstack_cache_operation_seconds_bucket{le="0.001",op="lookup"} 3.0',
+        'kvstack_cache_operation_seconds_bucket{le="2.5",op="lookup"} 3.0',
+        'kvstack_cache_operation_seconds_bucket{le="+Inf",op="lookup"} 4.0',
+        'kvstack_cache_operation_seconds_count{op="lookup"} 4.0',
+        'kvstack_cache_operation_seconds_bucket{le="0.005",op="get"} 0.0',
+        'kvstack_cache_operation_seconds_bucket{le="0.01",op="get"} 1.0',
+        'kvstack_cache_requests_total{op="lookup",result="ok"} 4.0',
+        'kvstack_cache_requests_total{op="get",result="error"} 1.0',
+    }
+    assert expected <= set(lines)
+    sums = [line for line in lines if line.startswith('kvstack_cache_operation_seconds_sum{op="lookup"}')]
+    assert len(sums) == 1 and float(sums[0].split()[-1]) == pytest.approx(7.00125)

@@ -27,12 +27,15 @@ Counted by the server:
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from kvstack.cache.store import TieredStore
 
@@ -117,17 +120,30 @@ class _StoreCollector(Collector):
             )
 
 
-class _LookupCollector(Collector):
+class _RequestCollector(Collector):
+    """The per-request counts `CacheMetrics` keeps as plain numbers, as Prometheus metrics."""
+
     def __init__(self, metrics: CacheMetrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[Metric]:
+        m = self._metrics
         chunks = CounterMetricFamily(
             "kvstack_cache_lookup_chunks", "Chunks asked about by lookups", labels=["result"]
         )
-        chunks.add_metric(["hit"], self._metrics.lookup_hits)
-        chunks.add_metric(["miss"], self._metrics.lookup_misses)
-        yield chunks
+        chunks.add_metric(["hit"], m.lookup_hits)
+        chunks.add_metric(["miss"], m.lookup_misses)
+        requests = CounterMetricFamily("kvstack_cache_requests", "Requests handled", labels=["op", "result"])
+        for (op, result), n in sorted(m._requests.items()):
+            requests.add_metric([op, result], n)
+        seconds = HistogramMetricFamily(
+            "kvstack_cache_operation_seconds", "Request handling time", labels=["op"]
+        )
+        for op, counts in sorted(m._latency.items()):
+            cumulative = list(itertools.accumulate(counts[:-1]))
+            buckets = [(floatToGoString(le), n) for le, n in zip(_LATENCY_BUCKETS, cumulative, strict=False)]
+            seconds.add_metric([op], [*buckets, ("+Inf", cumulative[-1])], sum_value=counts[-1])
+        yield from (chunks, requests, seconds)
 
 
 class CacheMetrics:
@@ -140,18 +156,13 @@ class CacheMetrics:
         self.misses = Counter(
             "kvstack_cache_misses", "Chunks a get asked for and did not receive", registry=r
         )
-        # Plain counts, exported at scrape time: a lookup, answered in ~50 µs, updates them twice.
+        # Per-request counts are plain numbers, exported at scrape time (_RequestCollector): a lookup is
+        # answered in ~50 µs of Python, and each prometheus_client update (a lock, label checks) is 2-5 µs.
         self.lookup_hits = 0
         self.lookup_misses = 0
-        r.register(_LookupCollector(self))
-        self.operation_seconds = Histogram(
-            "kvstack_cache_operation_seconds",
-            "Request handling time",
-            ["op"],
-            buckets=_LATENCY_BUCKETS,
-            registry=r,
-        )
-        self.requests = Counter("kvstack_cache_requests", "Requests handled", ["op", "result"], registry=r)
+        self._requests: dict[tuple[str, str], int] = {}
+        self._latency: dict[str, list[float]] = {}  # by op: count per bucket, then +Inf's, then the sum
+        r.register(_RequestCollector(self))
         self.protocol_errors = Counter(
             "kvstack_cache_protocol_errors", "Error replies and dropped messages", ["code"], registry=r
         )
@@ -160,6 +171,16 @@ class CacheMetrics:
         )
         # labels() validates and locks on every call; the request path reuses children (bounded label sets).
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+    def request_done(self, op: str, ok: bool, seconds: float) -> None:
+        """Count one handled request (``kvstack_cache_requests_total``, ``..._operation_seconds``)."""
+        key = (op, "ok" if ok else "error")
+        self._requests[key] = self._requests.get(key, 0) + 1
+        counts = self._latency.get(op)
+        if counts is None:
+            counts = self._latency[op] = [0] * (len(_LATENCY_BUCKETS) + 2)
+        counts[bisect.bisect_left(_LATENCY_BUCKETS, seconds)] += 1  # le: upper bounds are inclusive
+        counts[-1] += seconds
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, cached."""

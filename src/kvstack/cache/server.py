@@ -332,8 +332,7 @@ class CacheServer:
         payloads: _Frames,
     ) -> None:
         error = isinstance(reply, ErrorReply)
-        self.metrics.child(self.metrics.requests, op, "error" if error else "ok").inc()
-        self.metrics.child(self.metrics.operation_seconds, op).observe(time.perf_counter() - started)
+        self.metrics.request_done(op, not error, time.perf_counter() - started)
         if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
             self._errors_log.warning("cache server: error reply %s: %s", reply.code, reply.message)
         if sock is not self._sock:
