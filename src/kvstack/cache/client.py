@@ -86,7 +86,9 @@ from kvstack.cache.protocol import (
     decode_reply,
     encode,
     join_keys,
+    recv_frames,
     request_mac,
+    send_frames,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ClientArena
 from kvstack.cache.tiers.base import Payload, byte_view
@@ -812,7 +814,7 @@ class CacheClient:
         sock = self._sock
         core.stats.requests += 1
         try:
-            sock.send_multipart(core.frames(call), copy=False)
+            send_frames(sock, core.frames(call))
         except zmq.ZMQError as e:
             self._reset()
             return core.failed(call, Failure("unreachable", f"cannot send ({e}); is the server running?"))
@@ -823,7 +825,7 @@ class CacheClient:
                 if left_ms <= 0:
                     raise zmq.Again()
                 sock.setsockopt(zmq.RCVTIMEO, left_ms)
-                parts = sock.recv_multipart(copy=False)
+                parts = recv_frames(sock)
             except zmq.Again:
                 self._reset()
                 return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))

@@ -72,7 +72,9 @@ from kvstack.cache.protocol import (
     decode_request,
     encode,
     key_bytes,
+    recv_frames,
     request_mac,
+    send_frames,
     split_keys,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
@@ -87,6 +89,7 @@ DEFAULT_BIND = "tcp://127.0.0.1:5560"
 _SWEEP_INTERVAL_S = 5.0
 _READ_BATCH = 64  # requests read per loop callback before yielding to other callbacks
 _EVENTS = int(zmq.EVENTS)
+_NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
 _Frames = list[Any]  # what a reply carries after its header: bytes, memoryviews, zmq.Frames
 
@@ -252,7 +255,7 @@ class CacheServer:
             if not cast(int, sock.get(_EVENTS)) & _POLLIN:
                 return
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = recv_frames(sock, _NOBLOCK)
             except zmq.Again:
                 return
             self._on_request(sock, frames)
@@ -338,7 +341,7 @@ class CacheServer:
         if sock is not self._sock:
             return  # stopped meanwhile
         try:
-            sock.send_multipart([*envelope, encode(reply), *payloads], zmq.NOBLOCK, copy=False)
+            send_frames(sock, [*envelope, encode(reply), *payloads], _NOBLOCK)
         except zmq.ZMQError as e:
             self.metrics.protocol_errors.labels("dropped").inc()
             self._errors_log.warning("cache server: cannot send a %s reply: %s", op, e)
