@@ -316,3 +316,25 @@ async def test_connections_over_the_limit_get_503_and_close(echo: Served) -> Non
     assert json.loads((await _read_response(r0))[2])["body"] == "served"
     for _, w in held:
         w.close()
+
+
+async def test_a_request_half_sent_behind_a_slow_answer_still_times_out() -> None:
+    release = asyncio.Event()
+
+    async def handler(request: Request, conn: Connection) -> Response:
+        await release.wait()
+        return Response(200, b"first")
+
+    served = await _serve(handler, receive_timeout=0.3)
+    try:
+        reader, writer = await served.open()
+        writer.write(b"GET / HTTP/1.1\r\n\r\nPOST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nab")
+        await asyncio.sleep(0.6)  # the second request's receive timer ran out while the first was answered
+        release.set()
+        assert (await _read_response(reader))[2] == b"first"
+        status, _, _ = await _read_response(reader)
+        assert status == 408
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+    finally:
+        await served.server.close()

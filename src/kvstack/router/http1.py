@@ -306,8 +306,9 @@ class Connection(asyncio.Protocol):
                 self.resume_reading()
         self._task = None
         self._request = None
-        if not self._closed and not self._receiving:
-            self._arm(self._server.keep_alive_timeout)
+        if not self._closed:
+            # A next request half received while this one was answered gets the rest of its time now.
+            self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
         reason = _REASONS.get(status, "Unknown")
