@@ -18,9 +18,13 @@ Ceilings:
   disk) and without (the page cache); read with ``iflag=direct`` (the device alone), buffered after dropping
   the file from the page cache with ``posix_fadvise(DONTNEED)`` (cold: the tier's own read path, readahead
   included) and buffered again (warm). The page cache is dropped per file, never machine-wide: writing
-  ``/proc/sys/vm/drop_caches`` would also hit the other work on this machine. dd runs before the first
-  chunk size and after each one; a size is judged against the better of the two dd runs around its own
-  runs (best of two on both sides, measured within seconds of each other).
+  ``/proc/sys/vm/drop_caches`` would also hit the other work on this machine. dd runs once beside each
+  repetition of the tier's runs (``--disk-reps``, 3; before them in even repetitions, after them in odd
+  ones), on the same bytes (``--disk-mib``) in the same directory, and each kind of I/O is judged by the
+  median over repetitions of tier / dd within one repetition: both sides see the same minute of a machine
+  whose disk and page-cache speeds move 2-5x within minutes. The tier writes distinct non-zero chunks, dd
+  zeros: measured here, the content does not change dd's speed (zeros, random bytes and a constant byte
+  copied from the page cache write alike).
 - *redis-benchmark*: against a redis-server this script starts (127.0.0.1, free port, temp dir, no
   persistence): ``-t set,get -d <record bytes> -c C -P B -r 64``, i.e. the tier's stored value size (payload +
   64-byte record header), C connections each pipelining B commands, as the tier runs C concurrent
@@ -50,11 +54,11 @@ Measured:
   server has here: the round trip of a 4 KiB message to a ROUTER that only echoes it (sync, and
   zmq.asyncio on uvloop), are shown. Every measurement of an iteration runs back to back (the echo floors
   too), so all see the same moments of the machine; the server's CPU per lookup is read from /proc.
-- `DiskTier` (2 I/O threads, ``put_many``/``get_many`` batches of 8 like the store's writer), each against
-  the dd run of the same kind: put with fsync ``never`` vs dd's page-cache write, put with fsync ``data`` vs
-  dd ``conv=fdatasync``, get cold (the tier's files dropped from the page cache first) vs dd's cold read, get
-  warm vs dd's warm read. Shown: put ``never`` + ``sync -f`` vs dd ``conv=fdatasync``, cold get vs dd
-  ``iflag=direct``.
+- `DiskTier` (2 I/O threads, ``put_many``/``get_many`` batches of 8 like the store's writer), each against the
+  dd run of the same kind in the same repetition: put with fsync ``never`` vs dd's page-cache write, put
+  with fsync ``data`` vs dd ``conv=fdatasync``, get cold (the tier's files dropped from the page cache
+  first) vs dd's cold read, get warm vs dd's warm read. Shown: put ``never`` + ``sync -f`` vs dd
+  ``conv=fdatasync``, cold get vs dd ``iflag=direct``.
 - `RedisTier`: ``put_many`` (one pipeline of SETs) vs SET and ``get_many`` (one MGET) vs GET, keys/s.
 
 The async parts (client, disk and Redis tiers) run on uvloop when it is installed, as ``kvstack
@@ -64,7 +68,7 @@ GB/s is 10^9 payload bytes per second. Bounded: 127.0.0.1 only, every subprocess
 and sections left are skipped past ``--deadline``; temp files, shared-memory arenas and processes (stopped by
 PID) are cleaned up. Results: tables on stdout, ``.cache/bench/cache_tier/<UTC timestamp>.json``.
 
-    .venvs/dev/bin/python benchmarks/cache_tier.py                # ~3 min
+    .venvs/dev/bin/python benchmarks/cache_tier.py                # ~5 min
     .venvs/dev/bin/python benchmarks/cache_tier.py --quick        # ~30 s: smaller sets, fewer rounds
     .venvs/dev/bin/python benchmarks/cache_tier.py --only disk,redis --disk-mib 1024
 """
@@ -152,11 +156,11 @@ class Config:
     lookup_prompts: int = 16
     disk_bytes: int = 512 * MiB
     disk_sizes_mib: tuple[int, ...] = (1, 4, 16, 32)
-    disk_reps: int = 2
+    disk_reps: int = 3
     redis_cases: tuple[tuple[int, int], ...] = ((64 * 1024, 16), (1 * MiB, 4))  # (payload bytes, batch)
     redis_concurrency: tuple[int, ...] = (1, 4)
     redis_bytes: int = 512 * MiB  # per measurement (each of SET, GET; tier and redis-benchmark)
-    deadline_s: float = 330.0
+    deadline_s: float = 480.0
 
 
 def quick_config() -> Config:
@@ -978,82 +982,92 @@ async def disk_run(root: Path, size: int, nbytes: int, fsync: FsyncPolicy) -> di
     return out
 
 
+# Each judged (and shown) disk measurement: what the tier does, the dd run it is compared with, judged.
+DISK_PAIRS = (
+    ("put, fsync never (page cache)", "never", "put", "write_page_cache", True),
+    ("put, fsync data (disk)", "data", "put", "write_fdatasync", True),
+    ("get cold (disk: files dropped first)", "never", "get_cold", "read_cold", True),
+    ("get warm (page cache)", "never", "get_warm", "read_warm", True),
+    ("put, fsync never, + sync -f (disk)", "never", "put_then_sync", "write_fdatasync", False),
+    ("get cold vs dd iflag=direct", "never", "get_cold", "read_direct", False),
+)
+POLICIES: tuple[FsyncPolicy, ...] = ("never", "data")
+DD_HOWS = {
+    "write_fdatasync": "dd if=/dev/zero bs=4M conv=fdatasync",
+    "write_page_cache": "dd if=/dev/zero bs=4M (no sync: page cache)",
+    "read_direct": "dd bs=4M iflag=direct",
+    "read_cold": "dd bs=4M after posix_fadvise(DONTNEED)",
+    "read_warm": "dd bs=4M, file in the page cache",
+}
+
+
 async def bench_disk(
     cfg: Config, work: Path, report: Report, say: Callable[[str], None], deadline: Deadline
 ) -> None:
-    """Each chunk size's tier runs sit between two dd runs (one before, one after), and are judged against
-    the better of those two: the ceiling is measured within seconds of what it judges, not minutes away
-    (this machine's disk and page-cache speeds move a lot within a minute). Both sides are best of two."""
+    """Paired runs: each repetition runs the tier (fsync never, then data) and a dd set back to back, in
+    alternating order, and each kind of I/O is judged by the median over repetitions of tier / dd within a
+    repetition: both sides see the same minute of this machine, whose disk and page-cache speeds move a lot
+    within one."""
     where = describe_fs(work)
-    say(f"disk: dd ceilings in {where}")
-    dd_runs = [dd_ceilings(work, cfg.disk_bytes)]
-    runs: dict[int, dict[str, list[dict[str, float]]]] = {}
-    adjacent: dict[int, list[dict[str, float | None]]] = {}
+    say(f"disk: tier and dd in {where}, {cfg.disk_reps} paired repetitions per chunk size")
+    dd_runs: list[dict[str, float | None]] = []
+    runs: dict[int, list[dict[str, Any]]] = {}
     for mib in cfg.disk_sizes_mib:
         if deadline.left() < 25:
             report.skipped.append(f"disk {mib} MiB: deadline")
             continue
-        runs[mib] = {"never": [], "data": []}
-        policies: tuple[FsyncPolicy, ...] = ("never", "data")
-        for _ in range(cfg.disk_reps):
-            for policy in policies:
+        runs[mib] = []
+        for rep in range(cfg.disk_reps):
+            pair: dict[str, Any] = {}
+            if rep % 2:
+                pair["dd"] = dd_ceilings(work, cfg.disk_bytes)
+            for policy in POLICIES:
                 root = work / f"tier-{policy}-{mib}"
-                runs[mib][policy].append(await disk_run(root, mib * MiB, cfg.disk_bytes, policy))
-        dd_runs.append(dd_ceilings(work, cfg.disk_bytes))
-        adjacent[mib] = dd_runs[-2:]
-        say(f"disk {mib} MiB: {runs[mib]}; dd around it: {adjacent[mib]}")
-    hows = {
-        "write_fdatasync": "dd if=/dev/zero bs=4M conv=fdatasync",
-        "write_page_cache": "dd if=/dev/zero bs=4M (no sync: page cache)",
-        "read_direct": "dd bs=4M iflag=direct",
-        "read_cold": "dd bs=4M after posix_fadvise(DONTNEED)",
-        "read_warm": "dd bs=4M, file in the page cache",
-    }
-    for name, how in hows.items():
+                pair[policy] = await disk_run(root, mib * MiB, cfg.disk_bytes, policy)
+            if not rep % 2:
+                pair["dd"] = dd_ceilings(work, cfg.disk_bytes)
+            dd_runs.append(pair["dd"])
+            runs[mib].append(pair)
+        say(f"disk {mib} MiB: {runs[mib]}")
+    for name, how in DD_HOWS.items():
         samples = [v for run in dd_runs if (v := run[name]) is not None]
         if samples:
             report.ceilings.append(
                 Ceiling(
                     f"dd {name}",
                     size_label(cfg.disk_bytes),
-                    max(samples),
+                    median(samples),
                     "GB/s",
-                    f"{how}; {len(samples)} runs, one before each chunk size and one after the last; "
-                    "each size is judged against the better of the two around it",
+                    f"{how}; median of {len(samples)} runs, one beside each repetition of each chunk size",
                     samples,
                 )
             )
-    report.raw["disk"] = {"where": where, "dd_runs": dd_runs, "tier_runs": runs}
-    for mib, by_policy in runs.items():
-        label = f"{mib} MiB"
-        best: dict[str, float | None] = {}
-        for name in hows:
-            values = [v for run in adjacent[mib] if (v := run[name]) is not None]
-            best[name] = max(values) if values else None
-        # best of the repetitions, as for dd
-        never = {k: max(run[k] for run in by_policy["never"]) for k in by_policy["never"][0]}
-        data = {k: max(run[k] for run in by_policy["data"]) for k in by_policy["data"][0]}
-        for what, value, ceiling_name, judged in (
-            ("put, fsync never (page cache)", never["put"], "write_page_cache", True),
-            ("put, fsync data (disk)", data["put"], "write_fdatasync", True),
-            ("get cold (disk: files dropped first)", never["get_cold"], "read_cold", True),
-            ("get warm (page cache)", never["get_warm"], "read_warm", True),
-            ("put, fsync never, + sync -f (disk)", never["put_then_sync"], "write_fdatasync", False),
-            ("get cold vs dd iflag=direct", never["get_cold"], "read_direct", False),
-        ):
-            report.rows.append(
-                ratio_row(
-                    "disk",
-                    what,
-                    label,
-                    value,
-                    "GB/s",
-                    f"dd {ceiling_name}",
-                    best[ceiling_name],
-                    0.7 if judged else None,
-                    {"bytes": cfg.disk_bytes, "best_of": cfg.disk_reps, "dd_best_of": len(adjacent[mib])},
-                )
+    report.raw["disk"] = {"where": where, "paired_runs": runs}
+    for mib, pairs in runs.items():
+        for what, run_of, kind, dd_kind, judged in DISK_PAIRS:
+            ratios = [
+                (pair[run_of][kind] / ceiling, pair[run_of][kind], ceiling)
+                for pair in pairs
+                if (ceiling := pair["dd"][dd_kind])
+            ]
+            if not ratios:
+                continue
+            _, value, ceiling = sorted(ratios)[(len(ratios) - 1) // 2]  # the median pair (lower middle)
+            row = ratio_row(
+                "disk",
+                what,
+                f"{mib} MiB",
+                value,
+                "GB/s",
+                f"dd {dd_kind}",
+                ceiling,
+                0.7 if judged else None,
+                {
+                    "bytes": cfg.disk_bytes,
+                    "pairs": [{"tier": v, "dd": c, "ratio": r} for r, v, c in ratios],
+                },
             )
+            report.rows.append(row)
 
 
 # -- redis tier -------------------------------------------------------------------------------------
@@ -1330,7 +1344,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--request-mib", type=int, help="chunk bytes per server request (32)")
     parser.add_argument("--async-concurrency", type=int, help="AsyncCacheClient requests in flight (2)")
     parser.add_argument("--disk-mib", type=int, help="bytes per dd and disk tier run (512)")
-    parser.add_argument("--deadline", type=float, help="seconds before remaining parts are skipped (330)")
+    parser.add_argument("--disk-reps", type=int, help="paired tier/dd repetitions per chunk size (3)")
+    parser.add_argument("--deadline", type=float, help="seconds before remaining parts are skipped (480)")
     args = parser.parse_args(argv)
     sections = [s for s in args.only.split(",") if s]
     if unknown := set(sections) - set(SECTIONS):
@@ -1341,6 +1356,7 @@ def main(argv: list[str] | None = None) -> int:
         ("request_mib", "request_bytes", MiB),
         ("async_concurrency", "async_concurrency", 1),
         ("disk_mib", "disk_bytes", MiB),
+        ("disk_reps", "disk_reps", 1),
         ("deadline", "deadline_s", 1),
     ):
         if (value := getattr(args, flag)) is not None:
