@@ -222,7 +222,11 @@ async def test_disk_returned_views_outlive_delete_rewrite_and_eviction(tmp_path:
     await tier.close()
 
 
-async def test_disk_batches_use_at_most_io_threads_jobs(tmp_path: Path) -> None:
+async def test_disk_batches_use_one_job_or_at_most_io_threads_jobs_of_min_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from kvstack.cache.tiers import disk as disk_module
+
     tier = DiskTier(tmp_path, 1 << 20, io_threads=3)
     await tier.start()
     assert tier._pool is not None
@@ -234,10 +238,12 @@ async def test_disk_batches_use_at_most_io_threads_jobs(tmp_path: Path) -> None:
         return submit(*args, **kwargs)  # type: ignore[arg-type]
 
     tier._pool.submit = counting_submit  # type: ignore[method-assign, assignment]
+    file_bytes = HEADER_BYTES + 200
+    # Small batches are one job each (a hop costs more than their I/O).
     assert await tier.put_many([(key(i), payload(i, 200)) for i in range(10)]) == 10
-    assert jobs == 3
+    assert jobs == 1
     got = await tier.get_many([key(i) for i in (9, 20, 0, 5, 9)])
-    assert jobs == 6
+    assert jobs == 2
     assert [None if g is None else bytes(g) for g in got] == [
         payload(9, 200),
         None,
@@ -245,8 +251,16 @@ async def test_disk_batches_use_at_most_io_threads_jobs(tmp_path: Path) -> None:
         payload(5, 200),
         payload(9, 200),
     ]
-    assert await tier.get_many([key(20)]) == [None] and jobs == 6  # nothing indexed: no job
-    assert await tier.put_many([(key(30), payload(30, 200))]) == 1 and jobs == 7
+    assert await tier.get_many([key(20)]) == [None] and jobs == 2  # nothing indexed: no job
+    # Batches are split into jobs of at least _MIN_JOB_BYTES, never more than io_threads.
+    monkeypatch.setattr(disk_module, "_MIN_JOB_BYTES", file_bytes)
+    assert await tier.put_many([(key(i), payload(i, 200)) for i in range(30, 40)]) == 10
+    assert jobs == 2 + 3
+    got = await tier.get_many([key(i) for i in (9, 20, 0, 5, 9)])  # 3 files: 3 jobs of one
+    assert jobs == 5 + 3 and [g is not None for g in got] == [True, False, True, True, True]
+    monkeypatch.setattr(disk_module, "_MIN_JOB_BYTES", 2 * file_bytes)
+    assert len(await tier.get_many([key(i) for i in (0, 5, 9)])) == 3 and jobs == 8 + 1
+    assert await tier.put_many([(key(i), payload(i, 200)) for i in range(40, 44)]) == 4 and jobs == 9 + 2
     await tier.close()
 
 

@@ -48,9 +48,10 @@ then the budget is enforced. ``capacity_bytes`` bounds the sum of file sizes (he
 counting writes in flight; eviction deletes least recently used files first.
 
 All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
-threads) in ``close``; a ``get_many``/``put_many`` batch is split into at most ``io_threads`` jobs, since a
-job's hop through the pool costs more than a small file's I/O. The index itself is only touched on the event
-loop.
+threads) in ``close``; a ``get_many``/``put_many`` batch is cut into at most ``io_threads`` jobs of at least 1
+MiB each: a job's hop through the pool (~70 µs here, ~170 µs for two gathered) costs more than a small file's
+I/O, while two jobs of 4 MiB each read 1.4x faster than one of 8 MiB when the other core is free (0.75x when
+it is not). The index itself is only touched on the event loop.
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ _SYNC_FILE_RANGE_WRITE = 2
 _NOTE_FOOTER = struct.Struct("<I8s4s")  # note length, xxh3_64 of the note, magic
 _NOTE_MAGIC = b"KVNT"
 _ANNOUNCE_BATCH = 256
+_MIN_JOB_BYTES = 1 << 20
 _READ_AHEAD = 16  # files of a read job opened and hinted together (bounds the descriptors a job holds)
 _T = TypeVar("_T")
 
@@ -200,7 +202,7 @@ class DiskTier(Tier):
             if file is not None:
                 self._index.move_to_end(key)
                 files[key] = file
-        parts = list(_slices(list(files), self._io_threads))
+        parts = list(_slices(list(files), self._jobs(sum(file.size for file in files.values()))))
         reads: dict[ChunkKey, _Read] = {}
         for part, results in zip(
             parts,
@@ -244,7 +246,7 @@ class DiskTier(Tier):
 
         jobs = [
             self._run(partial(self._write_batch, part), partial(self._settle_batch, part))
-            for part in _slices(pending, self._io_threads)
+            for part in _slices(pending, self._jobs(sum(write.file_bytes for write in pending)))
         ]
         return sum(result.error is None for results in await asyncio.gather(*jobs) for result in results)
 
@@ -341,6 +343,11 @@ class DiskTier(Tier):
             doomed.append(key)
         self._stats.evictions += len(doomed)
         return doomed
+
+    def _jobs(self, nbytes: int) -> int:
+        """How many jobs to cut a batch of ``nbytes`` into: at most ``io_threads``, each of at least
+        ``_MIN_JOB_BYTES`` (see the module docstring)."""
+        return max(1, min(self._io_threads, nbytes // _MIN_JOB_BYTES))
 
     async def _run(self, job: Callable[[], _T], settle: Callable[[_T | None], None] | None = None) -> _T:
         """Run ``job`` in the tier's threads; ``settle`` sees its result (None if it raised) on the loop,
