@@ -348,6 +348,29 @@ async def test_disk_flipped_bytes_are_a_miss_deleted_and_counted(disk: DiskTier)
     assert disk.stats().corrupt == 4 and disk.stats().entries == 0 and disk.stats().bytes == 0
 
 
+async def test_disk_large_chunks_written_in_pieces_verify_and_catch_flips(tmp_path: Path) -> None:
+    import xxhash
+
+    from kvstack.cache.tiers.disk import _WRITE_PIECE
+
+    tier = DiskTier(tmp_path, 64 << 20)
+    await tier.start()
+    sizes = [_WRITE_PIECE - 1, _WRITE_PIECE, _WRITE_PIECE + 1, 2 * _WRITE_PIECE + 12345]
+    data = {i: blake3(bytes([i])).digest(length=size) for i, size in enumerate(sizes)}
+    assert await tier.put_many([(key(i), d) for i, d in data.items()]) == len(sizes)
+    for i, d in data.items():
+        raw = chunk_path(tier.root, key(i)).read_bytes()
+        assert raw[HEADER_BYTES:] == d and raw[48:64] == xxhash.xxh3_128_digest(d)  # one-shot == pieces
+        assert bytes(await tier.get(key(i)) or b"") == d
+    # A flip in the second piece of a large chunk is caught like any other.
+    path = chunk_path(tier.root, key(3))
+    raw = bytearray(path.read_bytes())
+    raw[HEADER_BYTES + _WRITE_PIECE + 100] ^= 0x40
+    path.write_bytes(raw)
+    assert await tier.get(key(3)) is None and not path.exists() and tier.stats().corrupt == 1
+    await tier.close()
+
+
 async def test_disk_truncated_file_is_a_miss_and_deleted(disk: DiskTier) -> None:
     await disk.put(key(1), payload(1, 4000))
     path = chunk_path(disk.root, key(1))

@@ -24,7 +24,15 @@ import xxhash
 
 from kvstack.cache.keys import ChunkKey
 
-__all__ = ["HEADER_BYTES", "CorruptRecord", "checksum", "pack_header", "payload_length", "verify_record"]
+__all__ = [
+    "HEADER_BYTES",
+    "CorruptRecord",
+    "checksum",
+    "checksum_pieces",
+    "pack_header",
+    "payload_length",
+    "verify_record",
+]
 
 _HEADER = struct.Struct("<4sHHQ32s16s")
 HEADER_BYTES = _HEADER.size
@@ -40,8 +48,15 @@ def checksum(payload: bytes | bytearray | memoryview) -> bytes:
     return xxhash.xxh3_128_digest(payload)
 
 
-def pack_header(key: ChunkKey, payload: bytes | bytearray | memoryview) -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, 0, len(payload), key, checksum(payload))
+def checksum_pieces() -> xxhash.xxh3_128:
+    """A hasher whose ``digest()``, after ``update`` with each consecutive piece of a payload, is the
+    payload's `checksum`."""
+    return xxhash.xxh3_128()
+
+
+def pack_header(key: ChunkKey, payload: bytes | bytearray | memoryview, digest: bytes | None = None) -> bytes:
+    """The header of ``payload``; ``digest``: its `checksum`, when the caller computed it already."""
+    return _HEADER.pack(MAGIC, VERSION, 0, len(payload), key, checksum(payload) if digest is None else digest)
 
 
 def payload_length(key: ChunkKey, header: bytes | bytearray | memoryview) -> int:
