@@ -50,7 +50,7 @@ counting writes in flight; eviction deletes least recently used files first.
 All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
 threads) in ``close``; a ``get_many``/``put_many`` batch is cut into at most ``io_threads`` jobs of at least 1
 MiB each: a job's hop through the pool (~70 µs here, ~170 µs for two gathered) costs more than a small file's
-I/O, while two jobs of 4 MiB each read 1.4x faster than one of 8 MiB when the other core is free (0.75x when
+I/O, while two jobs of 4 MiB each read 1.4x faster than one of 8 MiB when the other core is free (0.87x when
 it is not). The index itself is only touched on the event loop.
 """
 
