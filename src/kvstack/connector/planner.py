@@ -19,7 +19,7 @@ import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys
+from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys, pack_token_ids
 from kvstack.connector.plan import (
     RankKeys,
     RequestLoad,
@@ -42,6 +42,8 @@ def keys_by_rank(layouts: Sequence[KVLayout], chunk_size: int) -> KeysFor:
     """A `KeysFor` over ``layouts`` (one per tensor-parallel rank, in rank order)."""
 
     def keys_for(token_ids: Sequence[int]) -> list[RankKeys]:
+        if len(layouts) > 1:
+            token_ids = pack_token_ids(token_ids)  # packed once, hashed once per rank
         return list(zip(*(chunk_keys(token_ids, layout, chunk_size) for layout in layouts), strict=True))
 
     return keys_for

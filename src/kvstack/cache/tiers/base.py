@@ -24,6 +24,7 @@ A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from collections.abc import Container, Sequence
 from dataclasses import dataclass, replace
 from itertools import takewhile
@@ -31,7 +32,7 @@ from typing import Protocol
 
 from kvstack.cache.keys import ChunkKey
 
-__all__ = ["Payload", "Tier", "TierListener", "TierStats", "byte_view", "held_prefix"]
+__all__ = ["Announcements", "Payload", "Tier", "TierListener", "TierStats", "byte_view", "held_prefix"]
 
 Payload = bytes | bytearray | memoryview
 """One chunk's bytes, as given to ``put`` or returned by ``get``."""
@@ -149,3 +150,55 @@ class Tier(ABC):
     @abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of the counters."""
+
+
+class Announcements:
+    """The listener side of a tier whose entries can vanish without it knowing (Redis, S3).
+
+    It tells ``tier.listener`` what was stored and removed, and remembers the last ``limit`` keys reported
+    stored (newest last) so that one found missing later (TTL, eviction, another client's delete) is
+    reported removed exactly once. Keys older than the last ``limit`` are forgotten: their disappearance
+    goes unreported, which keeps memory bounded."""
+
+    def __init__(self, tier: Tier, limit: int) -> None:
+        self._tier = tier
+        self._limit = limit
+        self._keys: OrderedDict[bytes, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def stored(self, keys: Sequence[ChunkKey]) -> None:
+        listener = self._tier.listener
+        if not keys or listener is None:
+            return
+        listener.stored(self._tier, keys)
+        remembered = self._keys
+        for key in keys:
+            remembered[key] = None
+            remembered.move_to_end(key)
+        while len(remembered) > self._limit:
+            remembered.popitem(last=False)
+
+    def removed(self, keys: Sequence[ChunkKey]) -> None:
+        """The tier removed ``keys`` itself (deleted, found corrupt)."""
+        for key in keys:
+            self._keys.pop(key, None)
+        listener = self._tier.listener
+        if keys and listener is not None:
+            listener.removed(self._tier, keys)
+
+    def missing(self, keys: Sequence[bytes]) -> None:
+        """``keys`` were found absent: those reported stored are reported removed."""
+        if not self._keys:
+            return
+        gone = [ChunkKey(key) for key in keys if key in self._keys]
+        for key in gone:
+            del self._keys[key]
+        listener = self._tier.listener
+        if gone and listener is not None:
+            listener.removed(self._tier, gone)
+
+    def clear(self) -> None:
+        """The tier was cleared (not reported: the owner asked for it)."""
+        self._keys.clear()

@@ -33,7 +33,6 @@ import asyncio
 import enum
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -45,7 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Announcements, Payload, Tier, TierStats, byte_view
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
@@ -102,10 +101,8 @@ class RedisTier(Tier):
         self._address = RespAddress.from_url(url)
         self._readers: list[RespConnection] = []  # idle connections of the get/put path
         self._buffers = BufferPool()
-        # Keys reported stored to the listener, newest last: one found missing later (TTL, eviction, another
-        # client) is reported removed. Bounded: older ones are forgotten (their expiry goes unreported).
-        self._announced: OrderedDict[bytes, None] = OrderedDict()
-        self._max_announced = max_announced
+        # Keys reported stored: one found missing later (TTL, eviction, another client) is reported removed.
+        self._announced = Announcements(self, max_announced)
         self._max_readers = read_connections
         self._up = False
         self._reconnect: asyncio.Task[None] | None = None
@@ -154,7 +151,7 @@ class RedisTier(Tier):
         found = await self._guard(lambda client: self._pipeline(client, frames, len(keys)))
         if found is _FAILED:
             return 0
-        self._gone([key for key, present in zip(keys, found, strict=True) if present == 0])
+        self._announced.missing([key for key, present in zip(keys, found, strict=True) if present == 0])
         n = 0
         for present in found:
             if present != 1:
@@ -173,7 +170,7 @@ class RedisTier(Tier):
         if values is _FAILED:
             self._stats.misses += len(keys)
             return [None] * len(keys)
-        self._gone([key for key, value in zip(keys, values, strict=True) if value is None])
+        self._announced.missing([key for key, value in zip(keys, values, strict=True) if value is None])
         out: list[Payload | None] = []
         corrupt: list[bytes] = []
         corrupt_keys: list[ChunkKey] = []
@@ -187,10 +184,7 @@ class RedisTier(Tier):
                 self._stats.hits += 1
             out.append(payload)
         if corrupt:
-            for key in corrupt_keys:
-                self._announced.pop(key, None)
-            if self.listener is not None:
-                self.listener.removed(self, corrupt_keys)
+            self._announced.removed(corrupt_keys)
             await self._guard(lambda client: client.delete(*corrupt))
         return out
 
@@ -214,13 +208,7 @@ class RedisTier(Tier):
             return 0
         stored_keys = [key for (key, _), result in zip(items, results, strict=True) if result is True]
         stored = len(stored_keys)
-        if stored_keys and self.listener is not None:
-            self.listener.stored(self, stored_keys)
-            for key in stored_keys:
-                self._announced[key] = None
-                self._announced.move_to_end(key)
-            while len(self._announced) > self._max_announced:
-                self._announced.popitem(last=False)
+        self._announced.stored(stored_keys)
         failed = [result for result in results if isinstance(result, Exception)]
         if failed:
             self._stats.errors += len(failed)
@@ -240,11 +228,9 @@ class RedisTier(Tier):
         if removed is _FAILED:
             return False
         if removed == 0:
-            self._gone([key])
+            self._announced.missing([key])
             return False
-        self._announced.pop(key, None)
-        if self.listener is not None:
-            self.listener.removed(self, (key,))
+        self._announced.removed((key,))
         return True
 
     async def clear(self) -> None:
@@ -260,22 +246,12 @@ class RedisTier(Tier):
                 await client.unlink(*batch)
 
         await self._guard(unlink_prefix)
+        self._announced.clear()
 
     def stats(self) -> TierStats:
         stats = self._stats.copy()
         stats.up = self._up
         return stats
-
-    def _gone(self, keys: Sequence[bytes]) -> None:
-        """Report keys this tier reported stored and found missing since (expired, evicted, deleted by
-        another client): Redis does not tell, so this is when the tier learns it."""
-        if not self._announced:
-            return
-        gone = [ChunkKey(key) for key in keys if key in self._announced]
-        for key in gone:
-            del self._announced[key]
-        if gone and self.listener is not None:
-            self.listener.removed(self, gone)
 
     # -- internals
 

@@ -42,7 +42,6 @@ import contextlib
 import enum
 import logging
 import re
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -60,7 +59,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.protocol import ThrottledLog
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Announcements, Payload, Tier, TierStats, byte_view
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
 
 __all__ = ["S3Tier"]
@@ -165,11 +164,7 @@ class S3Tier(Tier):
         self._retry_max_s = retry_max_s
         self._exit = contextlib.AsyncExitStack()
         self._client: _Client | None = None
-        # Keys reported stored to the listener, newest last: one found missing later (lifecycle expiry,
-        # another client) is reported removed. Bounded: older ones are forgotten (their removal goes
-        # unreported).
-        self._announced: OrderedDict[bytes, None] = OrderedDict()
-        self._max_announced = max_announced
+        self._announced = Announcements(self, max_announced)
         self._up = False
         self._reconnect: asyncio.Task[None] | None = None
         self._errors_log = ThrottledLog(log)
@@ -215,7 +210,9 @@ class S3Tier(Tier):
         for start in range(0, len(keys), self._concurrency):
             window = keys[start : start + self._concurrency]
             found = await asyncio.gather(*(self._head(key) for key in window))
-            self._gone([key for key, present in zip(window, found, strict=True) if present is _MISSING])
+            self._announced.missing(
+                [key for key, present in zip(window, found, strict=True) if present is _MISSING]
+            )
             for present in found:
                 if present is not True:
                     return n
@@ -229,7 +226,7 @@ class S3Tier(Tier):
         if not keys:
             return []
         values = await asyncio.gather(*(self._read(key) for key in keys))
-        self._gone([key for key, value in zip(keys, values, strict=True) if value is _MISSING])
+        self._announced.missing([key for key, value in zip(keys, values, strict=True) if value is _MISSING])
         out: list[Payload | None] = []
         corrupt: list[ChunkKey] = []
         for key, value in zip(keys, values, strict=True):
@@ -242,10 +239,7 @@ class S3Tier(Tier):
                 self._stats.hits += 1
             out.append(payload)
         if corrupt:
-            for key in corrupt:
-                self._announced.pop(key, None)
-            if self.listener is not None:
-                self.listener.removed(self, corrupt)
+            self._announced.removed(corrupt)
             await asyncio.gather(*(self._delete_object(key) for key in corrupt))
         return out
 
@@ -257,13 +251,7 @@ class S3Tier(Tier):
             return 0
         results = await asyncio.gather(*(self._write(key, data) for key, data in items))
         stored_keys = [key for (key, _), ok in zip(items, results, strict=True) if ok]
-        if stored_keys and self.listener is not None:
-            self.listener.stored(self, stored_keys)
-            for key in stored_keys:
-                self._announced[key] = None
-                self._announced.move_to_end(key)
-            while len(self._announced) > self._max_announced:
-                self._announced.popitem(last=False)
+        self._announced.stored(stored_keys)
         self._stats.writes += len(stored_keys)
         self._stats.write_drops += len(items) - len(stored_keys)
         return len(stored_keys)
@@ -272,14 +260,12 @@ class S3Tier(Tier):
         # DeleteObject answers 204 whether or not the key existed: a HEAD first tells which.
         present = await self._head(key)
         if present is _MISSING:
-            self._gone([key])
+            self._announced.missing([key])
         if present is not True:
             return False
         if not await self._delete_object(key):
             return False
-        self._announced.pop(key, None)
-        if self.listener is not None:
-            self.listener.removed(self, (key,))
+        self._announced.removed((key,))
         return True
 
     async def clear(self) -> None:
@@ -311,17 +297,6 @@ class S3Tier(Tier):
         stats = self._stats.copy()
         stats.up = self._up
         return stats
-
-    def _gone(self, keys: Sequence[bytes]) -> None:
-        """Report keys this tier reported stored and found missing since (lifecycle expiry, another client's
-        delete): S3 does not tell, so this is when the tier learns it."""
-        if not self._announced:
-            return
-        gone = [ChunkKey(key) for key in keys if key in self._announced]
-        for key in gone:
-            del self._announced[key]
-        if gone and self.listener is not None:
-            self.listener.removed(self, gone)
 
     # -- requests
 
