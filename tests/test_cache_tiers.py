@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
+import logging
 import mmap
 import os
 import random
@@ -23,6 +25,7 @@ from blake3 import blake3
 
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier, Payload
+from kvstack.cache.tiers.base import Announcements, Reconnector
 from kvstack.cache.tiers.record import HEADER_BYTES
 
 PAGE = mmap.PAGESIZE
@@ -652,8 +655,6 @@ class _Heard:
 
 
 def test_announcements_report_a_vanished_key_once_and_stay_bounded() -> None:
-    from kvstack.cache.tiers.base import Announcements
-
     heard = _Heard()
     tier = MemoryTier(1 << 20)
     tier.listener = heard  # type: ignore[assignment]
@@ -673,3 +674,41 @@ def test_announcements_report_a_vanished_key_once_and_stay_bounded() -> None:
     tier.listener = None
     announced.stored([key(7)])  # nobody listens: nothing to remember
     assert len(announced) == 0
+
+
+async def test_reconnector_probes_with_backoff_logs_changes_once_and_stops(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    answers = ["refused", "refused", "no such bucket", None]
+    probed: list[float] = []
+    loop = asyncio.get_running_loop()
+
+    async def probe() -> str | None:
+        probed.append(loop.time())
+        return answers.pop(0)
+
+    logger = logging.getLogger("kvstack.test.reconnector")
+    link = Reconnector("tier t: service", probe, 0.01, 0.04, logger)
+    link.start()
+    with caplog.at_level(logging.WARNING, logger=logger.name):
+        link.up = True
+        link.down("refused")
+        link.down("refused")  # already down: not logged again, one probing task
+        assert not link.up
+        for _ in range(200):
+            if link.up:
+                break
+            await asyncio.sleep(0.01)
+    assert link.up and len(probed) == 4
+    gaps = [b - a for a, b in itertools.pairwise(probed)]
+    assert gaps[1] >= 0.015 and gaps[2] >= 0.035  # 0.01 doubling, capped at 0.04
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        "tier t: service unusable (refused); serving without it, retrying every <= 0.04s",
+        "tier t: service still unusable: no such bucket",
+        "tier t: service is reachable again",
+    ]
+    await link.stop()
+    link.down("refused")  # stopped: no new probing
+    await asyncio.sleep(0.05)
+    assert len(probed) == 4 and not link.up

@@ -23,16 +23,27 @@ A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every 
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Container, Sequence
+from collections.abc import Awaitable, Callable, Container, Sequence
 from dataclasses import dataclass, replace
 from itertools import takewhile
 from typing import Protocol
 
 from kvstack.cache.keys import ChunkKey
 
-__all__ = ["Announcements", "Payload", "Tier", "TierListener", "TierStats", "byte_view", "held_prefix"]
+__all__ = [
+    "Announcements",
+    "Payload",
+    "Reconnector",
+    "Tier",
+    "TierListener",
+    "TierStats",
+    "byte_view",
+    "held_prefix",
+]
 
 Payload = bytes | bytearray | memoryview
 """One chunk's bytes, as given to ``put`` or returned by ``get``."""
@@ -202,3 +213,65 @@ class Announcements:
     def clear(self) -> None:
         """The tier was cleared (not reported: the owner asked for it)."""
         self._keys.clear()
+
+
+class Reconnector:
+    """Whether a tier's network service (Redis, S3) is usable, and the task that probes it back when not.
+
+    `down` marks it unusable (logged once per outage) and starts probing: ``probe()`` every ``initial_s``
+    seconds, doubling up to ``max_s``; it returns None when the service answers, else what is wrong (logged
+    when the answer changes). The first None marks it up again. `stop` ends the probing for good."""
+
+    def __init__(
+        self,
+        where: str,
+        probe: Callable[[], Awaitable[str | None]],
+        initial_s: float,
+        max_s: float,
+        logger: logging.Logger,
+    ) -> None:
+        self.up = False
+        self._where = where
+        self._probe = probe
+        self._initial_s = initial_s
+        self._max_s = max_s
+        self._log = logger
+        self._task: asyncio.Task[None] | None = None
+        self._stopped = False
+
+    def start(self) -> None:
+        """Probing may begin (again, after `stop`)."""
+        self._stopped = False
+
+    def down(self, why: str) -> None:
+        if self._stopped:
+            return
+        if self.up or self._task is None:
+            self._log.warning(
+                "%s unusable (%s); serving without it, retrying every <= %gs", self._where, why, self._max_s
+            )
+        self.up = False
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._probing(why))
+
+    async def stop(self) -> None:
+        self._stopped = True
+        self.up = False
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+    async def _probing(self, last: str) -> None:
+        delay = self._initial_s
+        while not self._stopped:
+            await asyncio.sleep(delay)
+            problem = await self._probe()
+            if problem is None:
+                self.up = True
+                self._log.warning("%s is reachable again", self._where)
+                return
+            if problem != last:  # a new answer: say it once
+                self._log.warning("%s still unusable: %s", self._where, problem)
+                last = problem
+            delay = min(2 * delay, self._max_s)

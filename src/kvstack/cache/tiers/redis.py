@@ -44,7 +44,7 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Announcements, Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
@@ -95,8 +95,6 @@ class RedisTier(Tier):
         self._px = b"" if self._ttl_ms is None else b"%d" % self._ttl_ms
         self._socket_timeout_s = socket_timeout_s
         self._connect_timeout_s = connect_timeout_s
-        self._retry_initial_s = retry_initial_s
-        self._retry_max_s = retry_max_s
         self._client: aioredis.Redis | None = None
         self._address = RespAddress.from_url(url)
         self._readers: list[RespConnection] = []  # idle connections of the get/put path
@@ -104,19 +102,21 @@ class RedisTier(Tier):
         # Keys reported stored: one found missing later (TTL, eviction, another client) is reported removed.
         self._announced = Announcements(self, max_announced)
         self._max_readers = read_connections
-        self._up = False
-        self._reconnect: asyncio.Task[None] | None = None
+        self._link = Reconnector(
+            f"redis tier {self.name}: {url}", self._probe, retry_initial_s, retry_max_s, log
+        )
         self._stats = TierStats(bytes=None, entries=None, capacity_bytes=None, up=False)
 
     @property
     def up(self) -> bool:
-        return self._up
+        return self._link.up
 
     # -- lifecycle
 
     async def start(self) -> None:
         if self._client is not None:
             return
+        self._link.start()
         self._client = aioredis.Redis.from_url(
             self.url,
             socket_timeout=self._socket_timeout_s,
@@ -129,15 +129,11 @@ class RedisTier(Tier):
         except (*_UNREACHABLE, RedisError) as e:
             self._mark_down(e)
             return
-        self._up = True
+        self._link.up = True
 
     async def close(self) -> None:
-        task, self._reconnect = self._reconnect, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._link.stop()
         client, self._client = self._client, None
-        self._up = False
         self._close_readers()
         if client is not None:
             await client.aclose()
@@ -250,7 +246,7 @@ class RedisTier(Tier):
 
     def stats(self) -> TierStats:
         stats = self._stats.copy()
-        stats.up = self._up
+        stats.up = self._link.up
         return stats
 
     # -- internals
@@ -313,7 +309,7 @@ class RedisTier(Tier):
     async def _guard(self, call: Callable[[aioredis.Redis], Awaitable[_T]]) -> _T | _Failed:
         """``await call(client)``; `_FAILED` when the tier is down (without calling) or the call fails
         (counted, and the tier marked down when the server is unreachable)."""
-        if not self._up or self._client is None:
+        if not self._link.up or self._client is None:
             return _FAILED
         try:
             return await call(self._client)
@@ -326,37 +322,21 @@ class RedisTier(Tier):
 
     def _mark_down(self, error: BaseException) -> None:
         self._stats.errors += 1
-        if self._up or self._reconnect is None:
-            log.warning(
-                "redis tier %s: %s unreachable (%s: %s); serving without it, retrying every <= %gs",
-                self.name,
-                self.url,
-                type(error).__name__,
-                error,
-                self._retry_max_s,
-            )
-        self._up = False
         self._close_readers()  # their server is gone: new ones are opened when it is back
-        if self._reconnect is None or self._reconnect.done():
-            self._reconnect = asyncio.get_running_loop().create_task(self._reconnect_loop())
+        self._link.down(f"{type(error).__name__}: {error}")
 
-    async def _reconnect_loop(self) -> None:
-        delay = self._retry_initial_s
-        while self._client is not None:
-            await asyncio.sleep(delay)
-            client = self._client
-            if client is None:
-                return
-            try:
-                # Connections to the old server are dead: start from fresh ones.
-                await client.connection_pool.disconnect()
-                await client.ping()
-            except (*_UNREACHABLE, RedisError):
-                delay = min(2 * delay, self._retry_max_s)
-                continue
-            self._up = True
-            log.warning("redis tier %s: %s is reachable again", self.name, self.url)
-            return
+    async def _probe(self) -> str | None:
+        """None when the server answers a PING on fresh connections, else what went wrong."""
+        client = self._client
+        if client is None:
+            return "closed"
+        try:
+            # Connections to the old server are dead: start from fresh ones.
+            await client.connection_pool.disconnect()
+            await client.ping()
+        except (*_UNREACHABLE, RedisError) as e:
+            return f"{type(e).__name__}: {e}"
+        return None
 
 
 async def _redis_py_pipeline(

@@ -59,7 +59,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.protocol import ThrottledLog
-from kvstack.cache.tiers.base import Announcements, Payload, Tier, TierStats, byte_view
+from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
 
 __all__ = ["S3Tier"]
@@ -160,25 +160,25 @@ class S3Tier(Tier):
         self._concurrency = concurrency
         self._slots = asyncio.Semaphore(concurrency)
         self._max_object_bytes = max_object_bytes
-        self._retry_initial_s = retry_initial_s
-        self._retry_max_s = retry_max_s
         self._exit = contextlib.AsyncExitStack()
         self._client: _Client | None = None
         self._announced = Announcements(self, max_announced)
-        self._up = False
-        self._reconnect: asyncio.Task[None] | None = None
+        self._link = Reconnector(
+            f"s3 tier {name}: {self._where}", self._probe, retry_initial_s, retry_max_s, log
+        )
         self._errors_log = ThrottledLog(log)
         self._stats = TierStats(bytes=None, entries=None, capacity_bytes=None, up=False)
 
     @property
     def up(self) -> bool:
-        return self._up
+        return self._link.up
 
     # -- lifecycle
 
     async def start(self) -> None:
         if self._client is not None:
             return
+        self._link.start()
         self._client = await self._exit.enter_async_context(
             self._session.create_client(
                 "s3",
@@ -190,17 +190,14 @@ class S3Tier(Tier):
         )
         problem = await self._probe()
         if problem is None:
-            self._up = True
+            self._link.up = True
         else:
-            self._mark_down(problem)
+            self._stats.errors += 1
+            self._link.down(problem)
 
     async def close(self) -> None:
-        task, self._reconnect = self._reconnect, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        await self._link.stop()
         self._client = None
-        self._up = False
         await self._exit.aclose()
 
     # -- Tier interface
@@ -295,7 +292,7 @@ class S3Tier(Tier):
 
     def stats(self) -> TierStats:
         stats = self._stats.copy()
-        stats.up = self._up
+        stats.up = self._link.up
         return stats
 
     # -- requests
@@ -372,10 +369,10 @@ class S3Tier(Tier):
         """``await call(client)`` holding one of the tier's ``concurrency`` slots; `_MISSING` on a 404,
         `_FAILED` when the tier is down (without calling) or the call fails (counted, and the tier marked
         down when S3 cannot be reached)."""
-        if not self._up or self._client is None:
+        if not self._link.up or self._client is None:
             return _FAILED
         async with self._slots:
-            if not self._up:  # went down while this call waited for a slot
+            if not self._link.up:  # went down while this call waited for a slot
                 return _FAILED
             try:
                 return await call(self._client)
@@ -393,46 +390,19 @@ class S3Tier(Tier):
 
     # -- down and up
 
-    async def _probe(self) -> BaseException | None:
-        """None when the bucket answers a HEAD, else what went wrong."""
-        assert self._client is not None
+    async def _probe(self) -> str | None:
+        """None when the bucket answers a HEAD, else what went wrong (with the fix where one is known)."""
+        if self._client is None:
+            return "closed"
         try:
             await self._client.head_bucket(Bucket=self.bucket)
         except (*_UNREACHABLE, BotoCoreError, ClientError) as e:
-            return e
+            return _explain(e, self.bucket)
         return None
 
     def _mark_down(self, error: BaseException) -> None:
         self._stats.errors += 1
-        if self._up or self._reconnect is None:
-            log.warning(
-                "s3 tier %s: %s unusable (%s); serving without it, retrying every <= %gs",
-                self.name,
-                self._where,
-                _explain(error, self.bucket),
-                self._retry_max_s,
-            )
-        self._up = False
-        if self._reconnect is None or self._reconnect.done():
-            self._reconnect = asyncio.get_running_loop().create_task(self._reconnect_loop())
-
-    async def _reconnect_loop(self) -> None:
-        delay = self._retry_initial_s
-        last: str | None = None
-        while self._client is not None:
-            await asyncio.sleep(delay)
-            if self._client is None:
-                return
-            problem = await self._probe()
-            if problem is None:
-                self._up = True
-                log.warning("s3 tier %s: %s is reachable again", self.name, self._where)
-                return
-            reason = _explain(problem, self.bucket)
-            if isinstance(problem, ClientError) and reason != last:  # a new answer: say it once
-                log.warning("s3 tier %s: %s still unusable: %s", self.name, self._where, reason)
-            last = reason
-            delay = min(2 * delay, self._retry_max_s)
+        self._link.down(_explain(error, self.bucket))
 
 
 def _status(error: ClientError) -> int | None:
