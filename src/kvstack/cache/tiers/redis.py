@@ -66,13 +66,6 @@ class _Failed(enum.Enum):
 _FAILED = _Failed.CALL
 
 
-class _Corrupt(enum.Enum):
-    VALUE = "a value that failed verification"
-
-
-_CORRUPT = _Corrupt.VALUE
-
-
 class RedisTier(Tier):
     """Chunks in Redis/Valkey under ``prefix`` (see the module docstring)."""
 
@@ -169,29 +162,23 @@ class RedisTier(Tier):
         if not keys:
             return []
         names = [self._key(key) for key in keys]
-        corrupt: list[bytes] = []
-
-        def verify(i: int, value: bytes | bytearray) -> memoryview | _Corrupt:
-            # Called as each value arrives: verified while Redis still sends the next ones.
-            payload = self._unpack(keys[i], value, names[i], corrupt)
-            return _CORRUPT if payload is None else payload
-
-        values = await self._guard(lambda client: self._mget(client, names, verify))
+        values = await self._guard(lambda client: self._mget(client, names))
         if values is _FAILED:
             self._stats.misses += len(keys)
             return [None] * len(keys)
         self._announced.missing([key for key, value in zip(keys, values, strict=True) if value is None])
         out: list[Payload | None] = []
+        corrupt: list[bytes] = []
         corrupt_keys: list[ChunkKey] = []
-        for key, value in zip(keys, values, strict=True):
-            if value is None or value is _CORRUPT:
+        for key, name, value in zip(keys, names, values, strict=True):
+            payload = None if value is None else self._unpack(key, value, name, corrupt)
+            if payload is None:
                 self._stats.misses += 1
-                if value is _CORRUPT:
+                if value is not None:
                     corrupt_keys.append(key)
-                out.append(None)
             else:
                 self._stats.hits += 1
-                out.append(value)
+            out.append(payload)
         if corrupt:
             self._announced.removed(corrupt_keys)
             await self._guard(lambda client: client.delete(*corrupt))
@@ -267,25 +254,16 @@ class RedisTier(Tier):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    async def _mget(
-        self, client: aioredis.Redis, names: list[bytes], verify: Callable[[int, bytes | bytearray], _T]
-    ) -> Sequence[_T | None]:
-        """The values of ``names``, each passed through ``verify(index, value)`` (None where missing)."""
-        [reply] = await self._pipeline(client, pack_command(b"MGET", *names), 1, verify)
+    async def _mget(self, client: aioredis.Redis, names: list[bytes]) -> Sequence[bytes | bytearray | None]:
+        [reply] = await self._pipeline(client, pack_command(b"MGET", *names), 1)
         if isinstance(reply, ResponseError):
             raise reply
         if not isinstance(reply, list) or len(reply) != len(names):
             raise ResponseError(f"MGET of {len(names)} keys answered {type(reply).__name__}")
-        if self._address is None:  # redis-py's connection (TLS) returns the values as they are
-            return [None if v is None else verify(i, v) for i, v in enumerate(reply)]
         return reply
 
     async def _pipeline(
-        self,
-        client: aioredis.Redis,
-        frames: Sequence[bytes | memoryview],
-        n: int,
-        on_item: Callable[[int, bytearray], Any] | None = None,
+        self, client: aioredis.Redis, frames: Sequence[bytes | memoryview], n: int
     ) -> list[Any]:
         """Send ``n`` commands framed in ``frames``; their replies, an error reply as a ResponseError. Through
         one of the tier's own connections, or redis-py's for TLS."""
@@ -294,7 +272,7 @@ class RedisTier(Tier):
         conn = self._readers.pop() if self._readers else await self._open_reader()
         try:
             async with asyncio.timeout(self._socket_timeout_s):  # no task per call, unlike wait_for
-                replies = await conn.send(frames, n, on_item)
+                replies = await conn.send(frames, n)
         except BaseException:
             conn.close()
             raise

@@ -21,7 +21,7 @@ for them).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -90,7 +90,6 @@ class RespConnection(asyncio.BufferedProtocol):
         self._waiter: asyncio.Future[list[Any]] | None = None
         self._replies: list[Any] = []  # replies of the commands in flight, in order
         self._want = 0
-        self._on_item: Callable[[int, bytearray], Any] | None = None
         self._lost: Exception | None = None
 
     @classmethod
@@ -129,24 +128,17 @@ class RespConnection(asyncio.BufferedProtocol):
         return reply
 
     async def send(
-        self,
-        frames: Sequence[bytes | memoryview],
-        replies: int,
-        on_item: Callable[[int, bytearray], Any] | None = None,
+        self, frames: Sequence[bytes | memoryview], replies: int
     ) -> list[RespReply | ResponseError]:
         """Send ``frames`` (``replies`` commands already in RESP, e.g. a pipeline whose payloads travel as
         buffers of their own) and return each command's reply (`RespReply`), an error reply as a
-        ``ResponseError``.
-
-        ``on_item(i, value)``: called as each bulk string of an array reply arrives (``i``: its index), while
-        the rest of the reply is still on its way; what it returns replaces the value in the array (an MGET
-        verifies each value this way while Redis is still sending the next ones). It must not raise."""
+        ``ResponseError``."""
         if self._lost is not None or self._transport is None:
             raise RedisConnectionError(f"redis connection lost: {self._lost}")
         if self._waiter is not None:
             raise RuntimeError("RespConnection runs one command or pipeline at a time")
         waiter = self._waiter = asyncio.get_running_loop().create_future()
-        self._replies, self._want, self._on_item = [], replies, on_item
+        self._replies, self._want = [], replies
         self._transport.writelines(frames)
         try:
             return await waiter
@@ -257,8 +249,6 @@ class RespConnection(asyncio.BufferedProtocol):
 
     def _item(self, value: Any) -> None:
         if self._array is not None and not isinstance(value, ResponseError):
-            if self._on_item is not None and isinstance(value, bytearray):
-                value = self._on_item(len(self._array), value)
             self._array.append(value)
             if len(self._array) < self._array_len:
                 return
