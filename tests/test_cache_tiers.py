@@ -679,13 +679,22 @@ def test_announcements_report_a_vanished_key_once_and_stay_bounded() -> None:
 async def test_reconnector_probes_with_backoff_logs_changes_once_and_stops(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    answers = ["refused", "refused", "no such bucket", None]
+    answers: list[str | Exception | None] = [
+        "refused",
+        "refused",
+        "no such bucket",
+        RuntimeError("boom"),
+        None,
+    ]
     probed: list[float] = []
     loop = asyncio.get_running_loop()
 
     async def probe() -> str | None:
         probed.append(loop.time())
-        return answers.pop(0)
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     logger = logging.getLogger("kvstack.test.reconnector")
     link = Reconnector("tier t: service", probe, 0.01, 0.04, logger)
@@ -699,16 +708,17 @@ async def test_reconnector_probes_with_backoff_logs_changes_once_and_stops(
             if link.up:
                 break
             await asyncio.sleep(0.01)
-    assert link.up and len(probed) == 4
+    assert link.up and len(probed) == 5
     gaps = [b - a for a, b in itertools.pairwise(probed)]
     assert gaps[1] >= 0.015 and gaps[2] >= 0.035  # 0.01 doubling, capped at 0.04
     messages = [r.getMessage() for r in caplog.records]
     assert messages == [
         "tier t: service unusable (refused); serving without it, retrying every <= 0.04s",
         "tier t: service still unusable: no such bucket",
+        "tier t: service still unusable: RuntimeError: boom",  # an unexpected failure is a failed probe
         "tier t: service is reachable again",
     ]
     await link.stop()
     link.down("refused")  # stopped: no new probing
     await asyncio.sleep(0.05)
-    assert len(probed) == 4 and not link.up
+    assert len(probed) == 5 and not link.up

@@ -266,7 +266,10 @@ class Reconnector:
         delay = self._initial_s
         while not self._stopped:
             await asyncio.sleep(delay)
-            problem = await self._probe()
+            try:
+                problem = await self._probe()
+            except Exception as e:  # a probe that fails in a way it did not expect still retries
+                problem = f"{type(e).__name__}: {e}"
             if problem is None:
                 self.up = True
                 self._log.warning("%s is reachable again", self._where)
