@@ -2,7 +2,7 @@
 
 Servers bind 127.0.0.1 on free ports, run in their own process group, and are stopped by that
 group's id (never by name). Start-up waits on /health with a deadline and shows the server's log
-tail when it fails.
+tail when it fails. Also `TierRecorder`, a KV cache tier listener for the tier tests.
 """
 
 from __future__ import annotations
@@ -16,11 +16,14 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from kvstack.cache.keys import ChunkKey
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -272,3 +275,23 @@ async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     async with http.get(f"{url}/metrics") as r:
         assert r.status == 200
         return samples(await r.text())
+
+
+class TierRecorder:
+    """A KV cache tier listener that records what it hears (the whole `TierListener` protocol)."""
+
+    def __init__(self) -> None:
+        self.stored_keys: list[ChunkKey] = []
+        self.removed_keys: list[ChunkKey] = []
+
+    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        self.stored_keys += keys
+
+    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
+        self.removed_keys += keys
+
+    def annotation(self, key: ChunkKey) -> bytes | None:
+        return None
+
+    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
+        pass

@@ -13,7 +13,7 @@ import shutil
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -23,6 +23,7 @@ from blake3 import blake3
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
+from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.buffers import BufferPool
@@ -297,32 +298,12 @@ async def test_redis_stopped_mid_run_store_keeps_serving_then_recovers(
     await store.stop()
 
 
-class Recorder:
-    """A tier listener that records what it hears."""
-
-    def __init__(self) -> None:
-        self.stored_keys: list[ChunkKey] = []
-        self.removed_keys: list[ChunkKey] = []
-
-    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.stored_keys += keys
-
-    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.removed_keys += keys
-
-    def annotation(self, key: ChunkKey) -> bytes | None:
-        return None
-
-    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
-        pass
-
-
 async def test_chunks_that_vanish_from_redis_are_reported_removed_when_found_missing(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
     tier = RedisTier(redis_server.url, prefix="gone:", ttl_s=60)
     await tier.start()
-    heard = Recorder()
+    heard = TierRecorder()
     tier.listener = heard
     assert await tier.put_many([(key(i), payload(i)) for i in range(4)]) == 4
     assert heard.stored_keys == [key(i) for i in range(4)]

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from aiobotocore.session import AioSession
 from blake3 import blake3
 from botocore.exceptions import ClientError
 
-from harness import samples
+from harness import TierRecorder, samples
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.events import medium_of
@@ -305,28 +305,8 @@ async def test_prefixes_isolate_tiers_and_clear_deletes_only_its_own_chunks(
         await t.close()
 
 
-class Recorder:
-    """A tier listener that records what it hears."""
-
-    def __init__(self) -> None:
-        self.stored_keys: list[ChunkKey] = []
-        self.removed_keys: list[ChunkKey] = []
-
-    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.stored_keys += keys
-
-    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.removed_keys += keys
-
-    def annotation(self, key: ChunkKey) -> bytes | None:
-        return None
-
-    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
-        pass
-
-
 async def test_events_for_stored_deleted_corrupt_and_vanished_chunks(tier: S3Tier, raw: Any) -> None:
-    heard = Recorder()
+    heard = TierRecorder()
     tier.listener = heard
     assert await tier.put_many([(key(i), payload(i)) for i in range(5)]) == 5
     assert heard.stored_keys == [key(i) for i in range(5)]

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
+from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier, Payload
 from kvstack.cache.tiers.base import Announcements, Reconnector
@@ -640,37 +641,23 @@ async def test_disk_keeps_each_chunks_note_and_hands_it_back_after_a_restart(tmp
 
 
 # -- announcements of a tier whose entries can vanish unseen (Redis, S3) ----------------------------------
-class _Heard:
-    """A tier listener that only records what it hears."""
-
-    def __init__(self) -> None:
-        self.heard_stored: list[bytes] = []
-        self.heard_removed: list[bytes] = []
-
-    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.heard_stored += keys
-
-    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.heard_removed += keys
-
-
 def test_announcements_report_a_vanished_key_once_and_stay_bounded() -> None:
-    heard = _Heard()
+    heard = TierRecorder()
     tier = MemoryTier(1 << 20)
-    tier.listener = heard  # type: ignore[assignment]
+    tier.listener = heard
     announced = Announcements(tier, limit=3)
     keys = [key(i) for i in range(5)]
     announced.stored(keys)
-    assert heard.heard_stored == keys and len(announced) == 3  # only the newest three are remembered
+    assert heard.stored_keys == keys and len(announced) == 3  # only the newest three are remembered
     announced.missing([keys[0], keys[3], key(99)])  # keys[0] was forgotten; key(99) never reported
-    assert heard.heard_removed == [keys[3]]
+    assert heard.removed_keys == [keys[3]]
     announced.missing([keys[3]])
-    assert heard.heard_removed == [keys[3]]  # reported once
+    assert heard.removed_keys == [keys[3]]  # reported once
     announced.removed([keys[4]])
-    assert heard.heard_removed == [keys[3], keys[4]] and len(announced) == 1
+    assert heard.removed_keys == [keys[3], keys[4]] and len(announced) == 1
     announced.clear()
     announced.missing([keys[2]])
-    assert heard.heard_removed == [keys[3], keys[4]] and len(announced) == 0
+    assert heard.removed_keys == [keys[3], keys[4]] and len(announced) == 0
     tier.listener = None
     announced.stored([key(7)])  # nobody listens: nothing to remember
     assert len(announced) == 0

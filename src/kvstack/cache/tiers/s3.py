@@ -192,8 +192,7 @@ class S3Tier(Tier):
         if problem is None:
             self._link.up = True
         else:
-            self._stats.errors += 1
-            self._link.down(problem)
+            self._down(problem)
 
     async def close(self) -> None:
         await self._link.stop()
@@ -401,8 +400,11 @@ class S3Tier(Tier):
         return None
 
     def _mark_down(self, error: BaseException) -> None:
+        self._down(_explain(error, self.bucket))
+
+    def _down(self, why: str) -> None:
         self._stats.errors += 1
-        self._link.down(_explain(error, self.bucket))
+        self._link.down(why)
 
 
 def _status(error: ClientError) -> int | None:
