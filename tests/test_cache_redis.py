@@ -29,7 +29,7 @@ from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.redis import RedisTier
-from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
+from kvstack.cache.tiers.resp import ARENA_BYTES, RespAddress, RespConnection, pack_command
 
 
 def key(i: int) -> ChunkKey:
@@ -330,7 +330,7 @@ async def test_resp_connection_replies_errors_pipelines_and_large_values(
     address = RespAddress.from_url(redis_server.url)
     assert address is not None
     conn = await RespConnection.open(address, BufferPool())
-    big = os.urandom(3 << 20)  # far larger than the scratch buffer: read straight into its own buffer
+    big = os.urandom(3 << 20)  # larger than the arena: read straight into its own buffer
     assert await conn.call(b"PING") == b"PONG"
     assert await conn.call(b"SET", b"resp:big", big) == b"OK"
     assert await conn.call(b"SET", b"resp:small", b"x") == b"OK"
@@ -341,15 +341,96 @@ async def test_resp_connection_replies_errors_pipelines_and_large_values(
     with pytest.raises(ResponseError, match="wrong number of arguments"):
         await conn.call(b"GET")
     # A pipeline: an error reply takes its command's place, the others are read in order.
-    frames = pack_command(b"SET", b"resp:a", b"1") + pack_command(b"INCR", b"resp:a", b"2")
-    frames += pack_command(b"GET", b"resp:a")
-    ok, error, value = await conn.send(frames, 3)
+    commands = [pack_command(b"SET", b"resp:a", b"1"), pack_command(b"INCR", b"resp:a", b"2")]
+    commands.append(pack_command(b"GET", b"resp:a"))
+    ok, error, value = await conn.send(commands, 3)
     assert ok == b"OK" and isinstance(error, ResponseError) and value == bytearray(b"1")
     assert conn.usable and await conn.call(b"PING") == b"PONG"
     conn.close()
     with pytest.raises(RedisConnectionError):
         await conn.call(b"PING")
     await raw.delete("resp:big", "resp:small", "resp:n", "resp:a")
+
+
+async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies_arrive(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    """Values up to a quarter of the arena are views of it: bytes handed out are never overwritten, across
+    MGETs, arena switches (a value that does not fit the rest) and larger values with buffers of their
+    own."""
+    address = RespAddress.from_url(redis_server.url)
+    assert address is not None
+    pool = BufferPool()
+    conn = await RespConnection.open(address, pool)
+    sizes = [0, 1, 5000, 65_536, 200_000, ARENA_BYTES // 4, ARENA_BYTES // 4 + 1, 3 << 20, 70_000, 2]
+    values = {f"arena:{i}".encode(): os.urandom(size) for i, size in enumerate(sizes)}
+    for name, value in values.items():
+        assert await conn.call(b"SET", name, value) == b"OK"
+    names = list(values)
+    held: list[tuple[bytes, object]] = []
+    for round_ in range(12):  # ~40 MiB through the connection: many arenas, some reused from the pool
+        picked = names[round_ % 3 :] + names[: round_ % 3]
+        got = await conn.call(b"MGET", *picked)
+        assert isinstance(got, list)
+        held += zip(picked, got, strict=True)
+        if round_ == 5:
+            del held[: len(held) // 2]  # let some arenas go back to the pool
+    assert all(bytes(value) == values[name] for name, value in held)  # type: ignore[call-overload]
+    small = [value for name, value in held if len(values[name]) <= ARENA_BYTES // 4]
+    assert small and all(isinstance(value, memoryview) for value in small)
+    large = [value for name, value in held if len(values[name]) > ARENA_BYTES // 4]
+    assert large and all(isinstance(value, bytearray) for value in large)
+    conn.close()
+    await raw.delete(*names)
+
+
+async def test_resp_pipeline_framed_as_it_goes_out_and_a_framing_error_closes_the_connection(
+    redis_server: RedisServer, raw: aioredis.Redis
+) -> None:
+    address = RespAddress.from_url(redis_server.url)
+    assert address is not None
+    conn = await RespConnection.open(address, BufferPool())
+    values = [os.urandom(100_000) for _ in range(8)]  # 800 KB: written in several parts
+    framed: list[int] = []
+
+    def commands() -> Iterator[list[bytes]]:
+        for i, value in enumerate(values):
+            framed.append(i)
+            yield pack_command(b"SET", b"stream:%d" % i, value)
+
+    transport = conn._transport
+    writes: list[int] = []
+
+    class CountingTransport:
+        def writelines(self, frames: list[bytes]) -> None:
+            writes.append(sum(map(len, frames)))
+            transport.writelines(frames)  # type: ignore[union-attr]
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(transport, name)
+
+    conn._transport = CountingTransport()  # type: ignore[assignment]
+    assert await conn.send(commands(), len(values), 256 * 1024) == [b"OK"] * len(values)
+    assert framed == list(range(8))
+    assert len(writes) == 3 and min(writes[:2]) >= 256 * 1024  # 3 commands, 3 more, the last 2
+    assert (
+        await conn.send([pack_command(b"SET", b"stream:%d" % i, v) for i, v in enumerate(values)], 8)
+        == [b"OK"] * 8
+    )
+    assert len(writes) == 4  # without write_every: one write
+    conn._transport = transport
+    assert [bytes(v) for v in await conn.call(b"MGET", *[b"stream:%d" % i for i in range(8)])] == values
+
+    def broken() -> Iterator[list[bytes]]:
+        yield pack_command(b"SET", b"stream:0", b"changed")
+        raise ValueError("cannot frame this one")
+
+    with pytest.raises(ValueError, match="cannot frame"):
+        await conn.send(broken(), 2, 1)
+    assert not conn.usable  # a reply already asked for must not reach the next command
+    with pytest.raises(RedisConnectionError):
+        await conn.call(b"PING")
+    await raw.delete(*[b"stream:%d" % i for i in range(8)])
 
 
 async def test_resp_connection_selects_the_url_database_and_a_cancelled_call_closes_it(

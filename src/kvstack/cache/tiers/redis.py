@@ -33,7 +33,7 @@ import asyncio
 import enum
 import logging
 import re
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
@@ -64,6 +64,7 @@ class _Failed(enum.Enum):
 
 
 _FAILED = _Failed.CALL
+_STREAM_WRITE_BYTES = 256 * 1024
 
 
 class RedisTier(Tier):
@@ -102,6 +103,7 @@ class RedisTier(Tier):
         # Keys reported stored: one found missing later (TTL, eviction, another client) is reported removed.
         self._announced = Announcements(self, max_announced)
         self._max_readers = read_connections
+        self._in_flight = 0  # calls of the get/put path waiting for their replies
         self._link = Reconnector(
             f"redis tier {self.name}: {url}", self._probe, retry_initial_s, retry_max_s, log
         )
@@ -143,8 +145,8 @@ class RedisTier(Tier):
     async def contains(self, keys: Sequence[bytes]) -> int:
         if not keys:
             return 0
-        frames = [part for key in keys for part in pack_command(b"EXISTS", self._key(key))]
-        found = await self._guard(lambda client: self._pipeline(client, frames, len(keys)))
+        commands = [pack_command(b"EXISTS", self._key(key)) for key in keys]
+        found = await self._guard(lambda client: self._pipeline(client, commands, len(keys)))
         if found is _FAILED:
             return 0
         self._announced.missing([key for key, present in zip(keys, found, strict=True) if present == 0])
@@ -192,10 +194,8 @@ class RedisTier(Tier):
             return 0
 
         async def set_each(client: aioredis.Redis) -> list[Any]:
-            frames: list[bytes | memoryview] = []
-            for key, data in items:
-                frames += _set_frames(self._key(key), byte_view(data), key, self._px)
-            replies = await self._pipeline(client, frames, len(items))
+            commands = (_set_frames(self._key(key), byte_view(data), key, self._px) for key, data in items)
+            replies = await self._pipeline(client, commands, len(items), stream=True)
             return [reply if isinstance(reply, ResponseError) else reply == b"OK" for reply in replies]
 
         results = await self._guard(set_each)
@@ -254,8 +254,10 @@ class RedisTier(Tier):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
-    async def _mget(self, client: aioredis.Redis, names: list[bytes]) -> Sequence[bytes | bytearray | None]:
-        [reply] = await self._pipeline(client, pack_command(b"MGET", *names), 1)
+    async def _mget(
+        self, client: aioredis.Redis, names: list[bytes]
+    ) -> Sequence[bytes | bytearray | memoryview | None]:
+        [reply] = await self._pipeline(client, [pack_command(b"MGET", *names)], 1)
         if isinstance(reply, ResponseError):
             raise reply
         if not isinstance(reply, list) or len(reply) != len(names):
@@ -263,19 +265,31 @@ class RedisTier(Tier):
         return reply
 
     async def _pipeline(
-        self, client: aioredis.Redis, frames: Sequence[bytes | memoryview], n: int
+        self,
+        client: aioredis.Redis,
+        commands: Iterable[Sequence[bytes | memoryview]],
+        n: int,
+        stream: bool = False,
     ) -> list[Any]:
-        """Send ``n`` commands framed in ``frames``; their replies, an error reply as a ResponseError. Through
-        one of the tier's own connections, or redis-py's for TLS."""
+        """Send ``n`` commands, each as its RESP frames (see `RespConnection.send`); their replies, an error
+        reply as a ResponseError. Through one of the tier's own connections, or redis-py's for TLS.
+
+        ``stream``: when no other call is in flight, write every 256 KiB as ``commands`` frames them, so
+        Redis stores the first values while the rest are checksummed; with other calls in flight Redis
+        is busy anyway, and the extra writes and reply packets only cost CPU (see `RespConnection.send`)."""
         if self._address is None:
-            return await _redis_py_pipeline(client, frames, n)
+            return await _redis_py_pipeline(client, [frame for frames in commands for frame in frames], n)
         conn = self._readers.pop() if self._readers else await self._open_reader()
+        write_every = _STREAM_WRITE_BYTES if stream and self._in_flight == 0 else None
+        self._in_flight += 1
         try:
             async with asyncio.timeout(self._socket_timeout_s):  # no task per call, unlike wait_for
-                replies = await conn.send(frames, n)
+                replies = await conn.send(commands, n, write_every)
         except BaseException:
             conn.close()
             raise
+        finally:
+            self._in_flight -= 1
         if conn.usable and len(self._readers) < self._max_readers:
             self._readers.append(conn)
         else:
@@ -294,7 +308,7 @@ class RedisTier(Tier):
             conn.close()
 
     def _unpack(
-        self, key: ChunkKey, value: bytes | bytearray, name: bytes, corrupt: list[bytes]
+        self, key: ChunkKey, value: bytes | bytearray | memoryview, name: bytes, corrupt: list[bytes]
     ) -> memoryview | None:
         view = memoryview(value).toreadonly()
         try:
