@@ -29,7 +29,7 @@ from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.redis import RedisTier
-from kvstack.cache.tiers.resp import ARENA_BYTES, RespAddress, RespConnection, pack_command
+from kvstack.cache.tiers.resp import ARENA_VALUE_MAX, RespAddress, RespConnection, pack_command
 
 
 def key(i: int) -> ChunkKey:
@@ -355,20 +355,20 @@ async def test_resp_connection_replies_errors_pipelines_and_large_values(
 async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies_arrive(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    """Values up to a quarter of the arena are views of it: bytes handed out are never overwritten, across
-    MGETs, arena switches (a value that does not fit the rest) and larger values with buffers of their
-    own."""
+    """Values up to ARENA_VALUE_MAX are views of the arena: bytes handed out are never overwritten, across
+    MGETs, arena switches (a value that does not fit the rest; a command that starts with the arena over
+    half used) and larger values with buffers of their own."""
     address = RespAddress.from_url(redis_server.url)
     assert address is not None
     pool = BufferPool()
     conn = await RespConnection.open(address, pool)
-    sizes = [0, 1, 5000, 65_536, 200_000, ARENA_BYTES // 4, ARENA_BYTES // 4 + 1, 3 << 20, 70_000, 2]
+    sizes = [0, 1, 5000, 65_536, *[200_000] * 10, ARENA_VALUE_MAX, ARENA_VALUE_MAX + 1, 3 << 20, 70_000, 2]
     values = {f"arena:{i}".encode(): os.urandom(size) for i, size in enumerate(sizes)}
     for name, value in values.items():
         assert await conn.call(b"SET", name, value) == b"OK"
     names = list(values)
     held: list[tuple[bytes, object]] = []
-    for round_ in range(12):  # ~40 MiB through the connection: many arenas, some reused from the pool
+    for round_ in range(12):  # ~70 MiB through the connection: many arenas, some reused from the pool
         picked = names[round_ % 3 :] + names[: round_ % 3]
         got = await conn.call(b"MGET", *picked)
         assert isinstance(got, list)
@@ -376,9 +376,9 @@ async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies
         if round_ == 5:
             del held[: len(held) // 2]  # let some arenas go back to the pool
     assert all(bytes(value) == values[name] for name, value in held)  # type: ignore[call-overload]
-    small = [value for name, value in held if len(values[name]) <= ARENA_BYTES // 4]
+    small = [value for name, value in held if len(values[name]) <= ARENA_VALUE_MAX]
     assert small and all(isinstance(value, memoryview) for value in small)
-    large = [value for name, value in held if len(values[name]) > ARENA_BYTES // 4]
+    large = [value for name, value in held if len(values[name]) > ARENA_VALUE_MAX]
     assert large and all(isinstance(value, bytearray) for value in large)
     conn.close()
     await raw.delete(*names)
