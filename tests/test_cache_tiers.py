@@ -27,7 +27,7 @@ from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier, Payload
 from kvstack.cache.tiers.base import Announcements, Reconnector
-from kvstack.cache.tiers.record import HEADER_BYTES
+from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
 
 PAGE = mmap.PAGESIZE
 
@@ -709,3 +709,31 @@ async def test_reconnector_probes_with_backoff_logs_changes_once_and_stops(
     link.down("refused")  # stopped: no new probing
     await asyncio.sleep(0.05)
     assert len(probed) == 5 and not link.up
+
+
+def test_payload_of_a_record_checks_every_byte_and_says_what_failed() -> None:
+    key = ChunkKey(blake3(b"record").digest())
+    payload = os.urandom(5000)
+    record = pack_header(key, payload) + payload
+    view = payload_of(key, bytearray(record))
+    assert view.readonly and bytes(view) == payload
+    assert bytes(payload_of(key, memoryview(record))) == payload
+    flips = [
+        (0, "bad magic"),
+        (4, "unknown record version"),
+        (8, "header says"),  # the payload length
+        (16, "holds chunk"),  # the key
+        (48, "payload checksum mismatch"),  # the stored checksum
+        (HEADER_BYTES + 4321, "payload checksum mismatch"),  # a payload byte
+    ]
+    for at, reason in flips:
+        broken = bytearray(record)
+        broken[at] ^= 0x40
+        with pytest.raises(CorruptRecord, match=reason):
+            payload_of(key, broken)
+    with pytest.raises(CorruptRecord, match="holds chunk"):
+        payload_of(ChunkKey(blake3(b"another").digest()), record)
+    with pytest.raises(CorruptRecord, match="shorter than its"):
+        payload_of(key, record[:40])
+    with pytest.raises(CorruptRecord, match="header says"):
+        payload_of(key, record[:-1])

@@ -31,6 +31,7 @@ __all__ = [
     "checksum_pieces",
     "pack_header",
     "payload_length",
+    "payload_of",
     "verify_record",
 ]
 
@@ -72,6 +73,18 @@ def payload_length(key: ChunkKey, header: bytes | bytearray | memoryview) -> int
     if stored_key != key:
         raise CorruptRecord(f"record holds chunk {stored_key.hex()[:16]}…, not {key.hex()[:16]}…")
     return int(length)
+
+
+def payload_of(key: ChunkKey, record: bytes | bytearray | memoryview) -> memoryview:
+    """The payload of ``record`` (header and payload in one buffer) as a read-only view, once every byte of
+    it is verified; raises `CorruptRecord`."""
+    view = memoryview(record).toreadonly()
+    payload = view[HEADER_BYTES:]
+    fields = _HEADER_FIELDS.pack(MAGIC, VERSION, 0, len(payload), key)
+    if view[:48] == fields and view[48:HEADER_BYTES] == xxhash.xxh3_128_digest(payload):
+        return payload
+    verify_record(key, view[:HEADER_BYTES], payload)  # raises, saying which check failed
+    raise CorruptRecord("record differs from its sound form")  # not reached
 
 
 def verify_record(key: ChunkKey, header: bytes | bytearray | memoryview, payload: memoryview) -> None:

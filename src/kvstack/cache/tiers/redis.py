@@ -46,7 +46,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
 from kvstack.cache.tiers.buffers import BufferPool
-from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
+from kvstack.cache.tiers.record import CorruptRecord, pack_header, payload_of
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
 
 __all__ = ["RedisTier"]
@@ -310,15 +310,13 @@ class RedisTier(Tier):
     def _unpack(
         self, key: ChunkKey, value: bytes | bytearray | memoryview, name: bytes, corrupt: list[bytes]
     ) -> memoryview | None:
-        view = memoryview(value).toreadonly()
         try:
-            verify_record(key, view[:HEADER_BYTES], view[HEADER_BYTES:])
+            return payload_of(key, value)
         except CorruptRecord as e:
             self._stats.corrupt += 1
             corrupt.append(name)
             log.warning("redis tier %s: deleting corrupt value %r (%s)", self.name, name, e)
             return None
-        return view[HEADER_BYTES:]
 
     async def _guard(self, call: Callable[[aioredis.Redis], Awaitable[_T]]) -> _T | _Failed:
         """``await call(client)``; `_FAILED` when the tier is down (without calling) or the call fails

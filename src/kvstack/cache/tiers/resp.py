@@ -251,7 +251,11 @@ class RespConnection(asyncio.BufferedProtocol):
                 self._start += n + 2
                 self._slice_len = -1
                 self._handed_out = True
-                self._item(value)
+                array = self._array
+                if array is not None and len(array) + 1 < self._array_len:
+                    array.append(value)  # the usual case, without _item's checks
+                else:
+                    self._item(value)
                 continue
             if self._crlf:
                 if self._end - self._start < 2:
@@ -268,6 +272,10 @@ class RespConnection(asyncio.BufferedProtocol):
             if kind == 0x24:  # $ bulk string
                 n = int(arena[self._start + 1 : line_end])
                 self._start = line_end + 2
+                if 0 <= n <= ARENA_VALUE_MAX and self._start + n + 2 <= len(arena):
+                    self._large_last = False  # _bulk's usual case: a value that fits the arena's rest
+                    self._slice_len = n
+                    continue
                 self._bulk(n)
                 arena = self._arena  # _bulk may have moved on to a fresh arena
                 continue

@@ -60,7 +60,7 @@ from botocore.exceptions import ConnectionError as BotoConnectionError
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.protocol import ThrottledLog
 from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
-from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, verify_record
+from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
 
 __all__ = ["S3Tier"]
 
@@ -356,13 +356,11 @@ class S3Tier(Tier):
         try:
             if isinstance(value, CorruptRecord):
                 raise value
-            view = memoryview(value).toreadonly()
-            verify_record(key, view[:HEADER_BYTES], view[HEADER_BYTES:])
+            return payload_of(key, value)
         except CorruptRecord as e:
             self._stats.corrupt += 1
             log.warning("s3 tier %s: deleting corrupt object %s (%s)", self.name, self._key(key), e)
             return None
-        return view[HEADER_BYTES:]
 
     async def _call(self, call: Callable[[_Client], Awaitable[_T]]) -> _T | _Outcome:
         """``await call(client)`` holding one of the tier's ``concurrency`` slots; `_MISSING` on a 404,
