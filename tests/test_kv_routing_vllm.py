@@ -103,8 +103,9 @@ async def test_repeats_go_to_the_engine_holding_the_prefix_until_it_is_reset(
         assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] >= 3 * BLOCK  # the engine agrees
 
     # The chat form of the same text renders differently; once one engine holds it, repeats follow it.
-    _, chat_holder = await _post(http, chat, messages)
+    # (Counted before the request: its BlockStored events may reach the index before the answer does.)
     before = locator.index.stats().entries
+    _, chat_holder = await _post(http, chat, messages)
     await _until(lambda: locator.index.stats().entries > before)
     for _ in range(3):
         answer, engine = await _post(http, chat, messages)
