@@ -325,12 +325,17 @@ async def test_chunks_that_vanish_from_redis_are_reported_removed_when_found_mis
 # -- the tier's own RESP connections
 
 
+async def open_resp(redis_server: RedisServer) -> RespConnection:
+    """A RESP connection to the test server, reading into pooled buffers as the tier's do."""
+    address = RespAddress.from_url(redis_server.url)
+    assert address is not None
+    return await RespConnection.open(address, BufferPool())
+
+
 async def test_resp_connection_replies_errors_pipelines_and_large_values(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    address = RespAddress.from_url(redis_server.url)
-    assert address is not None
-    conn = await RespConnection.open(address, BufferPool())
+    conn = await open_resp(redis_server)
     big = os.urandom(3 << 20)  # larger than the arena: read straight into its own buffer
     assert await conn.call(b"PING") == b"PONG"
     assert await conn.call(b"SET", b"resp:big", big) == b"OK"
@@ -359,10 +364,7 @@ async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies
     """Values up to ARENA_VALUE_MAX are views of the arena: bytes handed out are never overwritten, across
     MGETs, arena switches (a value that does not fit the rest; a command that starts with the arena over
     half used) and larger values with buffers of their own."""
-    address = RespAddress.from_url(redis_server.url)
-    assert address is not None
-    pool = BufferPool()
-    conn = await RespConnection.open(address, pool)
+    conn = await open_resp(redis_server)
     sizes = [0, 1, 5000, 65_536, *[200_000] * 10, ARENA_VALUE_MAX, ARENA_VALUE_MAX + 1, 3 << 20, 70_000, 2]
     values = {f"arena:{i}".encode(): os.urandom(size) for i, size in enumerate(sizes)}
     for name, value in values.items():
@@ -416,9 +418,7 @@ async def test_reads_stay_within_a_bounded_set_of_arenas_over_a_long_run(tier: R
 async def test_resp_pipeline_framed_as_it_goes_out_and_a_framing_error_closes_the_connection(
     redis_server: RedisServer, raw: aioredis.Redis
 ) -> None:
-    address = RespAddress.from_url(redis_server.url)
-    assert address is not None
-    conn = await RespConnection.open(address, BufferPool())
+    conn = await open_resp(redis_server)
     values = [os.urandom(100_000) for _ in range(8)]  # 800 KB: written in several parts
     framed: list[int] = []
 
