@@ -332,11 +332,74 @@ def test_non_finite_values_are_unknown() -> None:
         ('vllm:num_requests_waiting{model_name="m" 3\n', "line 1"),
         ("vllm:num_requests_waiting three\n", "line 1"),
         ("vllm:num_requests_running 1\nvllm:cache_config_info{block_size=16} 1\n", "line 2"),
+        ('vllm:num_requests_waiting{a="1" b="2"} 3\n', "line 1"),  # no comma between labels
+        ('vllm:num_requests_waiting{a="1",a="2"} 3\n', "line 1"),  # a label twice
+        ("vllm:num_requests_waiting{,} 3\n", "line 1"),
+        ('vllm:num_requests_waiting{a="x\ny"} 3\n', "line 1"),  # a raw newline ends the line inside a value
+        ("vllm:num_requests_waiting 1_000\n", "line 1"),  # float() would take it
+        ("vllm:num_requests_waiting\n", "line 1"),  # no value
+        ("vllm:num_requests_waiting 1 2 3\n", "line 1"),  # more than a timestamp
+        ("vllm:num_requests_waiting 1 1.5\n", "line 1"),  # a timestamp is an integer
+        ("vllm:num_requests_waiting} 1\n", "line 1"),
     ],
 )
 def test_malformed_text_raises_a_typed_error(text: str, where: str) -> None:
     with pytest.raises(MetricsParseError, match=where):
         read_signals(text, VLLM)
+
+
+def _random_sample_line(rng: random.Random) -> tuple[str, dict[str, str], float]:
+    """A valid exposition line for vllm:num_requests_waiting, written with the format's latitude (blanks,
+    escapes, a trailing comma, a timestamp), and the labels and value it stands for."""
+    labels: dict[str, str] = {}
+    for _ in range(rng.randint(0, 4)):
+        key = rng.choice("abcxyz") + "".join(rng.choice("abc019_") for _ in range(rng.randint(0, 6)))
+        labels[key] = "".join(rng.choice('ab ,}={"\\\nλ😀') for _ in range(rng.randint(0, 8)))
+    blank = lambda: rng.choice(["", " ", "\t", "  "])  # noqa: E731
+    esc = {"\\": "\\\\", '"': '\\"', "\n": "\\n"}
+    pairs = [
+        f'{blank()}{k}{blank()}={blank()}"{"".join(esc.get(c, c) for c in v)}"{blank()}'
+        for k, v in labels.items()
+    ]
+    label_text = ""
+    if labels or rng.random() < 0.2:
+        label_text = "{" + ",".join(pairs) + ("," if pairs and rng.random() < 0.3 else "") + blank() + "}"
+    value_text, value = rng.choice(
+        [
+            ("3", 3.0),
+            ("-2.5", -2.5),
+            ("1e3", 1000.0),
+            ("1.5E-2", 0.015),
+            ("+Inf", math.inf),
+            ("-Inf", -math.inf),
+            ("0", 0.0),
+            (".5", 0.5),
+            ("7.", 7.0),
+            (str(rng.random() * 1e6), 0.0),
+        ]
+    )
+    if value == 0.0 and value_text != "0":
+        value = float(value_text)
+    sep = rng.choice([" ", "\t", "   "]) if not label_text or rng.random() < 0.8 else ""
+    stamp = f"{rng.choice([' ', chr(9)])}{rng.randint(-5, 10**13)}" if rng.random() < 0.3 else ""
+    return f"vllm:num_requests_waiting{label_text}{sep}{value_text}{stamp}{blank()}", labels, value
+
+
+def test_sample_lines_read_as_prometheus_client_reads_them() -> None:
+    """kvstack reads sample lines with its own small parser; on 2,000 random valid lines it agrees with
+    prometheus_client's parser, the reference, on labels and value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvstack.engines.metrics_reader import _parse
+
+    rng = random.Random(11)
+    for _ in range(2000):
+        line, labels, value = _random_sample_line(rng)
+        (ours,) = _parse(line + "\n", frozenset({"vllm:num_requests_waiting"}))["vllm:num_requests_waiting"]
+        (family,) = text_string_to_metric_families(line + "\n")
+        (reference,) = family.samples
+        assert ours.labels == reference.labels == labels, line
+        assert ours.value == reference.value == value, line
 
 
 def test_empty_body_is_all_missing_not_an_error() -> None:
