@@ -27,6 +27,9 @@ def test_bad_arguments_exit_2_with_the_reason() -> None:
     assert bad_preset.returncode == 2 and "preset" in bad_preset.stderr
     bad_role = _cli("--engine", "http://127.0.0.1:9#role=decoder")
     assert bad_role.returncode == 2 and "decoder" in bad_role.stderr
+    for flag in ("--scrape-interval", "--scrape-timeout"):
+        bad_scrape = _cli("--engine", "http://127.0.0.1:9", flag, "0")
+        assert bad_scrape.returncode == 2 and "must be positive" in bad_scrape.stderr
 
 
 def _children(pid: int) -> list[int]:
@@ -71,4 +74,52 @@ def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
     finally:
         if router.poll() is None:
             os.killpg(router.pid, signal.SIGKILL)
+        sim.stop()
+
+
+def _metric_ages(url: str, polls: int, every: float) -> list[float]:
+    """The age of the engine's metric reading in /engines, polled ``polls`` times."""
+    ages = []
+    for _ in range(polls):
+        with urllib.request.urlopen(f"{url}/engines", timeout=5) as r:
+            (engine,) = json.loads(r.read())["engines"]
+        if engine["metrics"] is not None:
+            ages.append(engine["metrics"]["age_seconds"])
+        time.sleep(every)
+    return ages
+
+
+def test_scrape_interval_sets_how_fresh_engine_metrics_are(tmp_path: Path) -> None:
+    sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
+    routers = {}
+    try:
+        for interval in ("0.1", "30"):
+            port = free_port()
+            routers[interval] = (port, subprocess.Popen(
+                [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
+                 "--scrape-interval", interval, "--scrape-timeout", "2", "--log-level", "warning"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            ))  # fmt: skip
+        for port, _ in routers.values():
+            deadline = time.monotonic() + 30
+            while True:
+                try:
+                    if _metric_ages(f"http://127.0.0.1:{port}", 1, 0):
+                        break
+                except OSError:  # not listening yet
+                    pass
+                assert time.monotonic() < deadline, "router never scraped its engine"
+                time.sleep(0.2)
+        # Every 0.1 s: the reading is always recent. Every 30 s: the first reading only grows older
+        # (the default, 1 s, would have replaced it twice in the 2.5 s this waits).
+        fast = _metric_ages(f"http://127.0.0.1:{routers['0.1'][0]}", 12, 0.1)
+        time.sleep(1.3)
+        slow = _metric_ages(f"http://127.0.0.1:{routers['30'][0]}", 12, 0.1)
+        assert len(fast) == 12 and max(fast) < 0.8, fast
+        assert len(slow) == 12 and slow == sorted(slow) and slow[-1] > 2.0, slow
+    finally:
+        for _, proc in routers.values():
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(timeout=20)
         sim.stop()

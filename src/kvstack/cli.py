@@ -268,6 +268,13 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     g.add_argument("--k8s-selector", default="", help="label selector of engine pods")
     g.add_argument("--k8s-port", type=int, default=8000, help="engine port on the pods")
     g.add_argument("--model", action="append", default=[], help="models /ready requires (default: all seen)")
+    g.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes of each engine's /metrics (readings older than 3 intervals are stale)",
+    )
+    g.add_argument("--scrape-timeout", type=float, default=0.5, help="seconds a scrape of /metrics may take")
     g = p.add_argument_group("routing")
     g.add_argument(
         "--routing",
@@ -347,6 +354,8 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
             load_routing(args.routing)  # fail fast on a bad preset or config file
         tokenizers = _tokenizer_dirs(args.tokenizer)
         cache_events = [CacheEvents.parse(spec) for spec in args.cache_events]
+        if not (args.scrape_interval > 0 and args.scrape_timeout > 0):
+            raise ValueError("--scrape-interval and --scrape-timeout must be positive")
     except (ValueError, ConfigError) as exc:
         print(f"kvstack router: {exc}", file=sys.stderr)
         return 2
@@ -383,6 +392,8 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
         max_queue=args.max_queue,
         queue_timeout=args.queue_timeout,
         expected_models=frozenset(args.model),
+        scrape_interval=args.scrape_interval,
+        scrape_timeout=args.scrape_timeout,
         reuse_port=args.reuse_port or args.workers > 1,
         tokenizers=tokenizers,
         remote_tokenize=args.remote_tokenize,
