@@ -407,6 +407,24 @@ def test_empty_body_is_all_missing_not_an_error() -> None:
     assert r.signals == LoadSignals() and r.missing == VLLM.expected_names()
 
 
+def test_line_endings_indents_and_longer_names() -> None:
+    text = (
+        "# HELP x\r\n"
+        "vllm:num_requests_running_by_lora 50\r\n"  # starts with a catalog name, is another metric
+        '  \tvllm:num_requests_running{model_name="m"} 3 1700000000000\r\n'
+        "\r\n"
+        "vllm:num_requests_waiting\t2\t\r\n"
+    )
+    s = read_signals(text, VLLM).signals
+    assert (s.running, s.queue) == (3.0, 2.0)
+    # The line number of a bad line counts every line before it, skipped or read.
+    lines = ["vllm:num_requests_running 1", "# c", "", "x_bucket{le=\"1\"} 2"] * 50
+    with pytest.raises(MetricsParseError, match=r"^line 202 is not"):
+        read_signals("\n".join([*lines, "  ", "<html>"]), VLLM)
+    with pytest.raises(MetricsParseError, match=r"^line 201: "):
+        read_signals("\n".join([*lines, "vllm:num_requests_waiting x"]), VLLM)
+
+
 def test_lines_the_catalog_does_not_read_are_only_checked_for_a_name() -> None:
     # A bad line of an unrelated histogram does not cost the load signals.
     text = 'vllm:e2e_request_latency_seconds_bucket{le="1.0" 3\nvllm:num_requests_waiting 2\n'

@@ -5,17 +5,20 @@
 - Series of one name are combined: summed across label values (several ``model_name`` values, vLLM's
   data-parallel ``engine`` ranks), except ``kv_usage``, a 0..1 ratio, which is averaged, and ``block_size``,
   which the ranks share, so the largest is taken. ``num_blocks`` is summed over the ``engine`` ranks.
-- Only the lines of names the catalog knows are parsed: a vLLM dump is mostly histogram buckets, and parsing
-  all of it costs about 10 ms of the router's event loop per engine and scrape. Every other line is only
-  checked to start with a metric name, so an HTML error page or binary junk is still rejected. A sample line
+- Only the lines of names the catalog knows are parsed: a vLLM page is mostly histogram buckets. One regular
+  expression pass over the page finds those lines and checks that every other line starts like a metric
+  name, a comment or a blank, so an HTML error page or binary junk is still rejected. A sample line
   (``name{label="value",...} value [timestamp]``, label values with the format's three escapes) is read by
-  `_sample`, a regular-expression reader of that one line shape; prometheus_client's parser, which builds a
-  metric family per call, cost 25-40 us a line, 0.5 ms of the loop per scrape of a small page. Malformed text
-  raises ``MetricsParseError``; no other error escapes.
+  `_sample`. Malformed text raises ``MetricsParseError``; no other error escapes. Cost, by
+  ``benchmarks/scrape_cost.py`` (docs/benchmarks.md): reading the whole page with prometheus_client, as
+  production-stack's router does, takes tens of times longer of the router's event loop per engine and
+  scrape; kvstack's first reader (the wanted lines through prometheus_client, a Python loop over all lines)
+  took about twice as long as this one.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import statistics
@@ -28,7 +31,6 @@ from kvstack.engines.state import LoadSignals
 
 __all__ = ["CatalogReading", "MetricsParseError", "MissingName", "read_signals"]
 
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 # One label pair with its separator; a value holds anything but a bare quote, backslash or newline.
 _LABEL_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*(,|(?=\}))')
 _LABELS_END = re.compile(r"[ \t]*\}")
@@ -134,24 +136,33 @@ class Sample:
 
 def _parse(text: str, wanted: frozenset[str]) -> dict[str, list[Sample]]:
     """Samples of the ``wanted`` names, by sample name."""
+    # One regular-expression pass over the text visits each line start once (the engine skips from newline
+    # to newline by itself) and stops only at a line of a wanted name or at a line that does not start
+    # like a metric name, a comment or a blank; a page is mostly histogram buckets, passed over in C.
+    # Newlines only: str.splitlines() also breaks at characters a label value may hold (U+2028, ...).
+    framed = "\n" + text
     out: dict[str, list[Sample]] = {}
-    # Split on newlines only: str.splitlines() also breaks at characters a label value may hold (U+2028, ...).
-    for lineno, raw in enumerate(text.split("\n"), 1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC_NAME.match(line)
-        if m is None:
+    for m in _line_finder(wanted).finditer(framed):
+        name, rest, bad = m.groups()
+        if bad is not None:
+            lineno = framed.count("\n", 0, m.start() + 1)
+            line = text.split("\n")[lineno - 1].strip()
             raise MetricsParseError(f"line {lineno} is not Prometheus text exposition: {line[:80]!r}")
-        name = m.group()
-        if name not in wanted:
-            continue
         try:
-            sample = _sample(line, m.end())
+            sample = _sample(rest.rstrip(), 0)
         except ValueError as exc:
-            raise MetricsParseError(f"line {lineno}: {exc}: {line[:120]!r}") from None
+            lineno = framed.count("\n", 0, m.start() + 1)
+            raise MetricsParseError(f"line {lineno}: {exc}: {(name + rest).strip()[:120]!r}") from None
         out.setdefault(name, []).append(sample)
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _line_finder(wanted: frozenset[str]) -> re.Pattern[str]:
+    """After a newline and blanks: a wanted name (the whole name) and the rest of its line; or a character
+    no line may start with."""
+    names = "|".join(re.escape(n) for n in sorted(wanted, key=len, reverse=True)) or "(?!)"
+    return re.compile(rf"\n[ \t\r\f\v]*(?:({names})(?![a-zA-Z0-9_:])([^\n]*)|([^a-zA-Z_:# \t\r\f\v\n]))")
 
 
 def _sample(line: str, pos: int) -> Sample:
