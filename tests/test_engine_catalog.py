@@ -418,7 +418,7 @@ def test_line_endings_indents_and_longer_names() -> None:
     s = read_signals(text, VLLM).signals
     assert (s.running, s.queue) == (3.0, 2.0)
     # The line number of a bad line counts every line before it, skipped or read.
-    lines = ["vllm:num_requests_running 1", "# c", "", "x_bucket{le=\"1\"} 2"] * 50
+    lines = ["vllm:num_requests_running 1", "# c", "", 'x_bucket{le="1"} 2'] * 50
     with pytest.raises(MetricsParseError, match=r"^line 202 is not"):
         read_signals("\n".join([*lines, "  ", "<html>"]), VLLM)
     with pytest.raises(MetricsParseError, match=r"^line 201: "):
