@@ -97,7 +97,7 @@ def with_ranks(page: str, ranks: int) -> str:
 
 def old_wanted_lines(page: str) -> int:
     """kvstack's previous reader: the catalog's lines, each through prometheus_client's parser."""
-    wanted = set()
+    wanted: set[str] = set()
     for src in VLLM.sources().values():
         for name in (src.name, *(a.name for a in src.aliases)):
             wanted.update((name, f"{name}_total"))
