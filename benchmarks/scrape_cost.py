@@ -131,7 +131,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20, help="completions before the page is taken")
     parser.add_argument("--repeats", type=int, default=200, help="reads per page and reader (interleaved)")
     args = parser.parse_args()
-    console = Console()
+    console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(machine())
     base = asyncio.run(sim_page(args.requests))
     pages = {"sim engine": base, "sim engine, 8 DP ranks": with_ranks(base, 8)}
