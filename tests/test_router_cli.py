@@ -47,14 +47,20 @@ def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
+        # Each request is a new connection, which the kernel gives to either worker: wait until both have
+        # said their engine is routable (a worker that has not yet read the engine's models answers 503).
         deadline = time.monotonic() + 30
-        while True:
+        ready: set[int] = set()
+        while ready != {0, 1}:
             try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2):
-                    break
+                with urllib.request.urlopen(f"{url}/engines", timeout=2) as r:
+                    body = json.loads(r.read())
+                if all(e["routable"] for e in body["engines"]):
+                    ready.add(body["worker"]["index"])
             except OSError:
-                assert time.monotonic() < deadline, "router never answered"
-                time.sleep(0.2)
+                pass
+            assert time.monotonic() < deadline, f"workers {ready} of 2 ready"
+            time.sleep(0.05)
         workers = _children(router.pid)
         assert len(workers) == 2  # the parent supervises
         body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
