@@ -14,13 +14,15 @@ engines it takes N times this per second from the requests. Compared, on the sam
 Pages: a simulated vLLM engine's /metrics after some requests (vLLM 0.32 names and histograms), and the same
 page with 8 data-parallel ranks (every series repeated with ``engine="0".."7"``).
 
-Run: ``.venvs/dev/bin/python benchmarks/scrape_cost.py`` (about 20 s; starts one simulated engine in-process).
+Run: ``.venvs/dev/bin/python benchmarks/scrape_cost.py`` (about 30 s; starts one simulated engine in-process;
+JSON in ``bench-results/scrape_cost.json``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import re
 import statistics
 import sys
@@ -143,6 +145,7 @@ def main() -> None:
     table = Table(title="one read of an engine's /metrics, µs of the event loop")
     for col in ("page", "lines", "reader", "p50 µs", "p99 µs", "÷ kvstack p50"):
         table.add_column(col, justify="left" if col in ("page", "reader") else "right")
+    results: list[dict[str, object]] = []
     for page_name, page in pages.items():
         times: dict[str, list[float]] = {name: [] for name in readers}
         for _ in range(args.repeats // 10):  # interleaved in rounds, so drift hits every reader alike
@@ -155,7 +158,15 @@ def main() -> None:
             table.add_row(
                 page_name, f"{page.count(chr(10)):,}", name, f"{p50:,.0f}", f"{p99:,.0f}", f"{p50 / ours:.1f}"
             )
+            results.append(
+                {"page": page_name, "lines": page.count("\n"), "reader": name, "p50_us": p50, "p99_us": p99}
+            )
     console.print(table)
+    out = REPO / "bench-results" / "scrape_cost.json"
+    out.parent.mkdir(exist_ok=True)
+    command = " ".join([".venvs/dev/bin/python", "benchmarks/scrape_cost.py", *sys.argv[1:]])
+    out.write_text(json.dumps({"command": command, "machine": machine(), "results": results}, indent=2))
+    console.print(f"results: {out}")
 
 
 if __name__ == "__main__":
