@@ -129,6 +129,25 @@ async def test_a_sized_answer_is_read_whole_and_the_connection_is_reused(raw_ser
         await pool.close()
 
 
+@pytest.mark.parametrize("first_byte_timeout", [None, 0.5, 5.0])  # the three ways through request()
+async def test_the_method_is_sent_as_given(
+    raw_server: ServerFactory, first_byte_timeout: float | None
+) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(sized(b"ok"))))
+    pool = UpstreamPool()
+    try:
+        for method in ("GET", "POST"):
+            resp = await pool.request(
+                server.url, "/metrics", [], b"", connect_timeout=2, first_byte_timeout=first_byte_timeout,
+                method=method,
+            )  # fmt: skip
+            assert await resp.read() == b"ok"
+            resp.release()
+        assert [r.split(b" ", 1)[0] for r in server.requests] == [b"GET", b"POST"]
+    finally:
+        await pool.close()
+
+
 async def test_a_chunked_stream_arrives_in_pieces(raw_server: ServerFactory) -> None:
     conns: list[_Conn] = []
 

@@ -405,18 +405,20 @@ class UpstreamPool:
         connecting alone (``ConnectFailed``).
         """
         if first_byte_timeout is None:
-            return await self._request(base_url, path, headers, body, connect_timeout, None)
+            return await self._request(base_url, path, headers, body, connect_timeout, None, method)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + first_byte_timeout
         if first_byte_timeout < connect_timeout:
             try:
                 async with asyncio.timeout_at(deadline):
-                    return await self._request(base_url, path, headers, body, connect_timeout, deadline)
+                    return await self._request(
+                        base_url, path, headers, body, connect_timeout, deadline, method
+                    )
             except UpstreamTimeout:
                 raise
             except TimeoutError:
                 raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
-        return await self._request(base_url, path, headers, body, connect_timeout, deadline)
+        return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
 
     async def _request(
         self,
@@ -426,7 +428,7 @@ class UpstreamPool:
         body: bytes,
         connect_timeout: float,
         deadline: float | None,
-        method: str = "POST",
+        method: str,
     ) -> UpstreamResponse:
         origin = self.origin(base_url)
         head = _request_head(method, origin, path, headers, len(body))
