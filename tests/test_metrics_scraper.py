@@ -9,9 +9,10 @@ import logging
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -20,6 +21,8 @@ from aiohttp import web
 from harness import EngineProcess, free_port, start_sim
 from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.router.server import lean_metrics_fetch
+from kvstack.router.upstream import UpstreamPool
 
 LEGACY = {
     "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
@@ -68,6 +71,27 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineP
             engine.stop()
 
 
+ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
+
+
+@pytest.fixture(params=["aiohttp", "lean"])
+def scrape_client(request: pytest.FixtureRequest) -> ClientFactory:
+    """Every test runs twice: scraping through an aiohttp session, and through the router's lean HTTP
+    client (`lean_metrics_fetch`, what `kvstack router` uses)."""
+    if request.param == "aiohttp":
+        return aiohttp.ClientSession
+
+    @asynccontextmanager
+    async def lean() -> AsyncIterator[Any]:
+        pool = UpstreamPool(max_idle_per_origin=1)
+        try:
+            yield lean_metrics_fetch(pool, 2.0)
+        finally:
+            await pool.close()
+
+    return lean
+
+
 def _state(url: str, engine_type: str = "vllm") -> EngineState:
     return EngineState(Endpoint(url, engine_type=engine_type))
 
@@ -100,10 +124,12 @@ async def metrics_server(
         await runner.cleanup()
 
 
-async def test_scrape_once_reads_real_engines(sims: dict[str, EngineProcess]) -> None:
+async def test_scrape_once_reads_real_engines(
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
+) -> None:
     current, legacy = _state(sims["current"].url), _state(sims["legacy"].url)
     recorder = Recorder()
-    async with aiohttp.ClientSession() as http:
+    async with scrape_client() as http:
         scraper = MetricsScraper(http, lambda: [current, legacy], observer=recorder)
         await scraper.scrape_once()
     for state in (current, legacy):
@@ -123,12 +149,12 @@ async def test_scrape_once_reads_real_engines(sims: dict[str, EngineProcess]) ->
 
 
 async def test_legacy_names_warn_once_per_engine_and_name(
-    sims: dict[str, EngineProcess], caplog: pytest.LogCaptureFixture
+    sims: dict[str, EngineProcess], caplog: pytest.LogCaptureFixture, scrape_client: ClientFactory
 ) -> None:
     caplog.set_level(logging.WARNING, logger=SCRAPER_LOG)
     current, legacy = _state(sims["current"].url), _state(sims["legacy"].url)
     recorder = Recorder()
-    async with aiohttp.ClientSession() as http:
+    async with scrape_client() as http:
         scraper = MetricsScraper(http, lambda: [current, legacy], observer=recorder)
         for _ in range(3):
             await scraper.scrape_once()
@@ -142,11 +168,13 @@ async def test_legacy_names_warn_once_per_engine_and_name(
     assert recorder.missing == [(legacy.url, frozenset(LEGACY))]
 
 
-async def test_engines_added_and_removed_at_runtime(sims: dict[str, EngineProcess]) -> None:
+async def test_engines_added_and_removed_at_runtime(
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
+) -> None:
     current, legacy = _state(sims["current"].url), _state(sims["legacy"].url)
     engines = [current]
     recorder = Recorder()
-    async with aiohttp.ClientSession() as http:
+    async with scrape_client() as http:
         scraper = MetricsScraper(http, lambda: list(engines), interval=0.1, jitter=0.02, observer=recorder)
         scraper.start()
         try:
@@ -164,12 +192,14 @@ async def test_engines_added_and_removed_at_runtime(sims: dict[str, EngineProces
             await scraper.stop()
 
 
-async def test_stopped_engine_goes_stale_then_unhealthy_never_idle(tmp_path: Path) -> None:
+async def test_stopped_engine_goes_stale_then_unhealthy_never_idle(
+    tmp_path: Path, scrape_client: ClientFactory
+) -> None:
     engine = start_sim(tmp_path, replay=False)
     state = _state(engine.url)
     recorder = Recorder()
     try:
-        async with aiohttp.ClientSession() as http:
+        async with scrape_client() as http:
             scraper = MetricsScraper(
                 http,
                 lambda: [state],
@@ -205,14 +235,14 @@ async def test_stopped_engine_goes_stale_then_unhealthy_never_idle(tmp_path: Pat
 
 
 async def test_hanging_engine_times_out_and_others_are_scraped_on_time(
-    sims: dict[str, EngineProcess],
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
 ) -> None:
     async def hang(request: web.Request) -> web.Response:
         await asyncio.sleep(30)
         return web.Response(text="")
 
     recorder = Recorder()
-    async with metrics_server(hang) as hang_url, aiohttp.ClientSession() as http:
+    async with metrics_server(hang) as hang_url, scrape_client() as http:
         hanging, current = _state(hang_url), _state(sims["current"].url)
         interval, timeout, jitter = 0.2, 0.1, 0.05
         scraper = MetricsScraper(
@@ -238,7 +268,9 @@ async def test_hanging_engine_times_out_and_others_are_scraped_on_time(
     assert current.signals() is not None
 
 
-async def test_one_scrape_in_flight_per_engine(sims: dict[str, EngineProcess]) -> None:
+async def test_one_scrape_in_flight_per_engine(
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
+) -> None:
     """A /metrics slower than the interval (but within the timeout) is not asked again until it answers."""
     body = await asyncio.to_thread(_fetch_text, f"{sims['current'].url}/metrics")
     active, peak, calls = 0, 0, 0
@@ -255,7 +287,7 @@ async def test_one_scrape_in_flight_per_engine(sims: dict[str, EngineProcess]) -
             active -= 1
 
     recorder = Recorder()
-    async with metrics_server(slow) as url, aiohttp.ClientSession() as http:
+    async with metrics_server(slow) as url, scrape_client() as http:
         state = _state(url)
         scraper = MetricsScraper(
             http, lambda: [state], interval=0.1, timeout=2.0, jitter=0.0, observer=recorder
@@ -274,7 +306,9 @@ def _fetch_text(url: str) -> str:
         return str(r.read().decode())
 
 
-async def test_error_answers_and_recovery(caplog: pytest.LogCaptureFixture) -> None:
+async def test_error_answers_and_recovery(
+    caplog: pytest.LogCaptureFixture, scrape_client: ClientFactory
+) -> None:
     caplog.set_level(logging.INFO, logger=SCRAPER_LOG)
     mode = {"status": 500}
 
@@ -284,7 +318,7 @@ async def test_error_answers_and_recovery(caplog: pytest.LogCaptureFixture) -> N
         return web.Response(text="vllm:num_requests_waiting 2\nvllm:num_requests_running 1\n")
 
     recorder = Recorder()
-    async with metrics_server(flaky) as url, aiohttp.ClientSession() as http:
+    async with metrics_server(flaky) as url, scrape_client() as http:
         state = _state(url)
         scraper = MetricsScraper(http, lambda: [state], unhealthy_after=3, observer=recorder)
         for _ in range(3):
@@ -307,12 +341,14 @@ async def test_error_answers_and_recovery(caplog: pytest.LogCaptureFixture) -> N
     )
 
 
-async def test_garbage_body_is_a_parse_error_and_the_engine_stays_healthy() -> None:
+async def test_garbage_body_is_a_parse_error_and_the_engine_stays_healthy(
+    scrape_client: ClientFactory,
+) -> None:
     async def html(request: web.Request) -> web.Response:
         return web.Response(text="<html><body>login required</body></html>")
 
     recorder = Recorder()
-    async with metrics_server(html) as url, aiohttp.ClientSession() as http:
+    async with metrics_server(html) as url, scrape_client() as http:
         state = _state(url)
         scraper = MetricsScraper(http, lambda: [state], unhealthy_after=1, observer=recorder)
         await scraper.scrape_once()
@@ -320,32 +356,36 @@ async def test_garbage_body_is_a_parse_error_and_the_engine_stays_healthy() -> N
     assert state.healthy and state.metrics is None and state.metrics_stale and state.signals() is None
 
 
-async def test_oversized_body_is_refused(sims: dict[str, EngineProcess]) -> None:
+async def test_oversized_body_is_refused(
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
+) -> None:
     state = _state(sims["current"].url)
     recorder = Recorder()
-    async with aiohttp.ClientSession() as http:
+    async with scrape_client() as http:
         scraper = MetricsScraper(http, lambda: [state], max_bytes=1000, observer=recorder)
         await scraper.scrape_once()
     assert [s.reason for s in recorder.scrapes] == ["too_large"]
     assert state.healthy and state.metrics is None
 
 
-async def test_unknown_engine_type_is_a_scrape_error(sims: dict[str, EngineProcess]) -> None:
+async def test_unknown_engine_type_is_a_scrape_error(
+    sims: dict[str, EngineProcess], scrape_client: ClientFactory
+) -> None:
     state = _state(sims["current"].url, engine_type="tgi")
     recorder = Recorder()
-    async with aiohttp.ClientSession() as http:
+    async with scrape_client() as http:
         scraper = MetricsScraper(http, lambda: [state], unhealthy_after=1, observer=recorder)
         await scraper.scrape_once()
     assert [s.reason for s in recorder.scrapes] == ["unknown_engine_type"]
     assert state.healthy and state.metrics is None and state.metrics_stale
 
 
-async def test_stop_cancels_scrapes_in_flight() -> None:
+async def test_stop_cancels_scrapes_in_flight(scrape_client: ClientFactory) -> None:
     async def hang(request: web.Request) -> web.Response:
         await asyncio.sleep(30)
         return web.Response(text="")
 
-    async with metrics_server(hang) as url, aiohttp.ClientSession() as http:
+    async with metrics_server(hang) as url, scrape_client() as http:
         scraper = MetricsScraper(http, lambda: [_state(url)], interval=0.1, timeout=20.0, jitter=0.0)
         scraper.start()
         await asyncio.sleep(0.3)

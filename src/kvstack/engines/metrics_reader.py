@@ -93,7 +93,7 @@ class CatalogReading:
 def read_signals(text: str, catalog: MetricCatalog) -> CatalogReading:
     """Map ``text`` (a /metrics body) to load signals through ``catalog``."""
     sources = catalog.sources()
-    samples = _parse(text, _sample_names(sources.values()))
+    samples = _parse(text, _wanted_names(catalog))
     values: dict[str, Any] = {}  # LoadSignals keyword arguments
     gaps: dict[str, MissingName] = {}
     for signal, src in sources.items():
@@ -114,6 +114,12 @@ def read_signals(text: str, catalog: MetricCatalog) -> CatalogReading:
             gap = MissingName(src.name, (*prev.signals, signal), prev.found_instead or found, label)
         gaps[gap.name] = gap
     return CatalogReading(LoadSignals(**values), tuple(gaps.values()))
+
+
+@functools.lru_cache(maxsize=64)
+def _wanted_names(catalog: MetricCatalog) -> frozenset[str]:
+    """The sample names ``catalog`` reads (a scrape of every engine asks again: computed once)."""
+    return _sample_names(catalog.sources().values())
 
 
 def _sample_names(sources: Iterable[MetricSource]) -> frozenset[str]:

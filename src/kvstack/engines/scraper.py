@@ -5,8 +5,10 @@ removed at runtime are picked up within a round, and starts one scrape per engin
 ``[0, jitter]`` (default 0.2 * interval) so that engines are not scraped in lockstep. A scrape is bounded by
 ``timeout`` (default 0.5 s) from connect to the last byte, and by ``max_bytes``. An engine whose previous
 scrape is still running is skipped for the round: at most one scrape per engine is in flight, and a slow
-engine delays nobody else. All requests go through the one ``aiohttp.ClientSession`` given; give the scraper
-a session whose connection limit the proxy's traffic cannot exhaust, or scrapes queue behind requests.
+engine delays nobody else. Requests go through the ``aiohttp.ClientSession`` given, or through a
+`MetricsFetch` (the router passes one over its lean HTTP client: about a third of aiohttp's CPU per scrape).
+Either way, give the scraper connections the proxy's traffic cannot exhaust, or scrapes queue behind
+requests.
 
 What a scrape changes:
 
@@ -31,7 +33,7 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -41,7 +43,7 @@ from kvstack.engines.catalog import MetricCatalog, catalog_for
 from kvstack.engines.metrics_reader import CatalogReading, MetricsParseError, read_signals
 from kvstack.engines.state import EngineState, MetricsReading
 
-__all__ = ["MetricsScraper", "ScrapeObserver"]
+__all__ = ["MetricsFetch", "MetricsScraper", "ScrapeFailed", "ScrapeObserver"]
 
 logger = logging.getLogger(__name__)
 
@@ -60,11 +62,18 @@ class ScrapeObserver(Protocol):
         Called with the empty set when the engine leaves, so its series can be dropped."""
 
 
-class _ScrapeFailed(Exception):
+class ScrapeFailed(Exception):
+    """A scrape that failed: ``reason`` is its label (module docstring), ``reached`` says the engine
+    answered (a failure of its metrics, not of its health). A `MetricsFetch` raises it."""
+
     def __init__(self, reason: str, detail: str, *, reached: bool) -> None:
         super().__init__(detail)
         self.reason = reason
-        self.reached = reached  # the engine answered: a failure of its metrics, not of its health
+        self.reached = reached
+
+
+# (engine base URL, max_bytes) -> the body of its /metrics, or ScrapeFailed; the scraper bounds the time.
+MetricsFetch = Callable[[str, int], Awaitable[bytes]]
 
 
 @dataclass
@@ -82,7 +91,7 @@ class MetricsScraper:
 
     def __init__(
         self,
-        session: aiohttp.ClientSession,
+        client: aiohttp.ClientSession | MetricsFetch,
         states: Callable[[], Iterable[EngineState]],
         *,
         interval: float = 1.0,
@@ -96,7 +105,9 @@ class MetricsScraper:
     ) -> None:
         if interval <= 0 or timeout <= 0 or unhealthy_after < 1 or max_bytes < 1:
             raise ValueError("interval, timeout, unhealthy_after and max_bytes must be positive")
-        self._session = session
+        self._get: MetricsFetch = (
+            self._aiohttp_get(client) if isinstance(client, aiohttp.ClientSession) else client
+        )
         self._states = states
         self.interval = interval
         self.timeout = timeout
@@ -195,12 +206,12 @@ class MetricsScraper:
             try:
                 reading = read_signals(text, catalog)
             except MetricsParseError as exc:
-                raise _ScrapeFailed("parse", str(exc), reached=True) from exc
-        except _ScrapeFailed as failed:
+                raise ScrapeFailed("parse", str(exc), reached=True) from exc
+        except ScrapeFailed as failed:
             self._failed(state, failed, time.monotonic() - started)
         except Exception as exc:  # an unforeseen error must cost one scrape, not the engine's signals
             logger.exception("engine %s: metrics scrape failed unexpectedly", url)
-            unforeseen = _ScrapeFailed("client_error", repr(exc), reached=False)
+            unforeseen = ScrapeFailed("client_error", repr(exc), reached=False)
             self._failed(state, unforeseen, time.monotonic() - started)
         else:
             self._succeeded(state, catalog, reading, started)
@@ -210,36 +221,43 @@ class MetricsScraper:
         try:
             return catalog_for(state.endpoint.engine_type, state.endpoint.engine_version)
         except ValueError as exc:
-            raise _ScrapeFailed("unknown_engine_type", str(exc), reached=True) from exc
+            raise ScrapeFailed("unknown_engine_type", str(exc), reached=True) from exc
 
     async def _fetch(self, url: str) -> str:
         try:
-            async with (
-                asyncio.timeout(self.timeout),
-                self._session.get(
-                    f"{url}/metrics", headers={"Accept": "text/plain"}, allow_redirects=False
-                ) as resp,
-            ):
-                if resp.status != 200:
-                    raise _ScrapeFailed(
-                        f"http_{resp.status}", f"/metrics answered {resp.status}", reached=False
-                    )
-                if (resp.content_length or 0) > self.max_bytes:
-                    raise _ScrapeFailed("too_large", f"body of {resp.content_length} bytes", reached=True)
-                body = bytearray()
-                async for chunk in resp.content.iter_any():
-                    body += chunk
-                    if len(body) > self.max_bytes:
-                        raise _ScrapeFailed("too_large", f"body over {self.max_bytes} bytes", reached=True)
+            async with asyncio.timeout(self.timeout):
+                body = await self._get(url, self.max_bytes)
         except TimeoutError as exc:
-            raise _ScrapeFailed(
+            raise ScrapeFailed(
                 "timeout", f"no complete answer within {self.timeout:g} s", reached=False
             ) from exc
-        except aiohttp.ClientConnectionError as exc:
-            raise _ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
-        except aiohttp.ClientError as exc:
-            raise _ScrapeFailed("client_error", str(exc) or type(exc).__name__, reached=False) from exc
         return body.decode("utf-8", errors="replace")
+
+    @staticmethod
+    def _aiohttp_get(session: aiohttp.ClientSession) -> MetricsFetch:
+        async def get(url: str, max_bytes: int) -> bytes:
+            try:
+                async with session.get(
+                    f"{url}/metrics", headers={"Accept": "text/plain"}, allow_redirects=False
+                ) as resp:
+                    if resp.status != 200:
+                        raise ScrapeFailed(
+                            f"http_{resp.status}", f"/metrics answered {resp.status}", reached=False
+                        )
+                    if (resp.content_length or 0) > max_bytes:
+                        raise ScrapeFailed("too_large", f"body of {resp.content_length} bytes", reached=True)
+                    body = bytearray()
+                    async for chunk in resp.content.iter_any():
+                        body += chunk
+                        if len(body) > max_bytes:
+                            raise ScrapeFailed("too_large", f"body over {max_bytes} bytes", reached=True)
+                    return bytes(body)
+            except aiohttp.ClientConnectionError as exc:
+                raise ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
+            except aiohttp.ClientError as exc:
+                raise ScrapeFailed("client_error", str(exc) or type(exc).__name__, reached=False) from exc
+
+        return get
 
     def _succeeded(
         self, state: EngineState, catalog: MetricCatalog, reading: CatalogReading, started: float
@@ -267,7 +285,7 @@ class MetricsScraper:
             self._notify_missing(url, reading.missing)
         self._notify_scrape(url, True, now - started, None)
 
-    def _failed(self, state: EngineState, failed: _ScrapeFailed, duration: float) -> None:
+    def _failed(self, state: EngineState, failed: ScrapeFailed, duration: float) -> None:
         url = state.url
         track = self._tracks.get(url)
         if track is not None:
