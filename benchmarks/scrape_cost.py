@@ -11,6 +11,10 @@ engines it takes N times this per second from the requests. Compared, on the sam
 - ``prometheus_client, whole page``: the whole page through ``text_string_to_metric_families``, the way vLLM
   production-stack's router reads engine metrics.
 
+Then the fetch itself: CPU of this process per GET of ``benchmarks/backend_zero.py``'s /metrics (a separate
+process), through an aiohttp session (how the router fetched until 2026-12-03) and through the router's lean
+HTTP client (`kvstack.router.server.lean_metrics_fetch`, what it uses now), interleaved in rounds.
+
 Pages: a simulated vLLM engine's /metrics after some requests (vLLM 0.32 names and histograms), and the same
 page with 8 data-parallel ranks (every series repeated with ``engine="0".."7"``).
 
@@ -23,8 +27,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -42,6 +49,8 @@ from kvstack.engines.catalog import catalog_for
 from kvstack.engines.metrics_reader import read_signals
 from kvstack.engines.tiny_model import make_tiny_model
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.router.server import lean_metrics_fetch
+from kvstack.router.upstream import UpstreamPool
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
@@ -128,10 +137,59 @@ def timed(fn: Callable[[str], object], page: str, repeats: int) -> list[float]:
     return out
 
 
+async def fetch_costs(url: str, rounds: int, per_round: int) -> dict[str, float]:
+    """µs of this process's CPU per /metrics fetch of ``url``, aiohttp session against the lean client."""
+    pool = UpstreamPool(max_idle_per_origin=1)
+    lean = lean_metrics_fetch(pool, 2.0)
+    cpu = {"aiohttp session": 0.0, "kvstack lean client": 0.0}
+    try:
+        async with aiohttp.ClientSession() as http:
+
+            async def with_aiohttp() -> bytes:
+                async with http.get(f"{url}/metrics", headers={"Accept": "text/plain"}) as resp:
+                    resp.raise_for_status()
+                    return await resp.read()
+
+            async def with_lean() -> bytes:
+                return await lean(url, 1 << 24)
+
+            fetchers = {"aiohttp session": with_aiohttp, "kvstack lean client": with_lean}
+            for fetch in fetchers.values():  # connections open, both bodies look alike
+                assert (await fetch()).startswith(b"#")
+            for _ in range(rounds):
+                for name, fetch in fetchers.items():
+                    c0 = time.process_time()
+                    for _ in range(per_round):
+                        await fetch()
+                    cpu[name] += time.process_time() - c0
+    finally:
+        await pool.close()
+    return {name: seconds / (rounds * per_round) * 1e6 for name, seconds in cpu.items()}
+
+
+def backend_metrics_fetches(rounds: int, per_round: int) -> dict[str, float]:
+    backend = subprocess.Popen(
+        [sys.executable, str(REPO / "benchmarks" / "backend_zero.py"), "--port", "0", "--procs", "1"],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert backend.stdout is not None
+        m = re.search(r"(http://\S+)", backend.stdout.readline())
+        if m is None:
+            raise RuntimeError("backend_zero did not print its URL")
+        return asyncio.run(fetch_costs(m.group(1), rounds, per_round))
+    finally:
+        os.killpg(backend.pid, signal.SIGTERM)
+        backend.wait(timeout=10)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--requests", type=int, default=20, help="completions before the page is taken")
     parser.add_argument("--repeats", type=int, default=200, help="reads per page and reader (interleaved)")
+    parser.add_argument("--fetch-rounds", type=int, default=20, help="rounds of 20 fetches per client")
     args = parser.parse_args()
     console = Console() if sys.stdout.isatty() else Console(width=200)
     console.print(machine())
@@ -162,10 +220,23 @@ def main() -> None:
                 {"page": page_name, "lines": page.count("\n"), "reader": name, "p50_us": p50, "p99_us": p99}
             )
     console.print(table)
+    fetches = backend_metrics_fetches(args.fetch_rounds, 20)
+    fetch_table = Table(
+        title="one GET of /metrics (backend_zero.py, another process), µs of this process's CPU"
+    )
+    for col in ("client", "CPU µs per fetch", "÷ lean client"):
+        fetch_table.add_column(col, justify="left" if col == "client" else "right")
+    for name, us in fetches.items():
+        fetch_table.add_row(name, f"{us:,.0f}", f"{us / fetches['kvstack lean client']:.1f}")
+    console.print(fetch_table)
     out = REPO / "bench-results" / "scrape_cost.json"
     out.parent.mkdir(exist_ok=True)
     command = " ".join([".venvs/dev/bin/python", "benchmarks/scrape_cost.py", *sys.argv[1:]])
-    out.write_text(json.dumps({"command": command, "machine": machine(), "results": results}, indent=2))
+    out.write_text(
+        json.dumps(
+            {"command": command, "machine": machine(), "results": results, "fetch_cpu_us": fetches}, indent=2
+        )
+    )
     console.print(f"results: {out}")
 
 
