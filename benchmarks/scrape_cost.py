@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine
 
 from kvstack.engines.catalog import catalog_for
-from kvstack.engines.metrics_reader import read_signals
+from kvstack.engines.metrics_reader import read_signals, sample_names
 from kvstack.engines.tiny_model import make_tiny_model
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.router.server import lean_metrics_fetch
@@ -108,10 +108,7 @@ def with_ranks(page: str, ranks: int) -> str:
 
 def old_wanted_lines(page: str) -> int:
     """kvstack's previous reader: the catalog's lines, each through prometheus_client's parser."""
-    wanted: set[str] = set()
-    for src in VLLM.sources().values():
-        for name in (src.name, *(a.name for a in src.aliases)):
-            wanted.update((name, f"{name}_total"))
+    wanted = sample_names(VLLM)
     samples = 0
     for raw in page.split("\n"):
         line = raw.strip()

@@ -22,14 +22,14 @@ import functools
 import math
 import re
 import statistics
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from kvstack.engines.catalog import SIGNAL_MEANINGS, Alias, MetricCatalog, MetricSource, Read
 from kvstack.engines.state import LoadSignals
 
-__all__ = ["CatalogReading", "MetricsParseError", "MissingName", "read_signals"]
+__all__ = ["CatalogReading", "MetricsParseError", "MissingName", "read_signals", "sample_names"]
 
 # One label pair with its separator; a value holds anything but a bare quote, backslash or newline.
 _LABEL_PAIR = re.compile(r'[ \t]*([a-zA-Z_][a-zA-Z0-9_]*)[ \t]*=[ \t]*"((?:[^"\\\n]|\\.)*)"[ \t]*(,|(?=\}))')
@@ -93,7 +93,7 @@ class CatalogReading:
 def read_signals(text: str, catalog: MetricCatalog) -> CatalogReading:
     """Map ``text`` (a /metrics body) to load signals through ``catalog``."""
     sources = catalog.sources()
-    samples = _parse(text, _wanted_names(catalog))
+    samples = _parse(text, sample_names(catalog))
     values: dict[str, Any] = {}  # LoadSignals keyword arguments
     gaps: dict[str, MissingName] = {}
     for signal, src in sources.items():
@@ -117,14 +117,11 @@ def read_signals(text: str, catalog: MetricCatalog) -> CatalogReading:
 
 
 @functools.lru_cache(maxsize=64)
-def _wanted_names(catalog: MetricCatalog) -> frozenset[str]:
-    """The sample names ``catalog`` reads (a scrape of every engine asks again: computed once)."""
-    return _sample_names(catalog.sources().values())
-
-
-def _sample_names(sources: Iterable[MetricSource]) -> frozenset[str]:
+def sample_names(catalog: MetricCatalog) -> frozenset[str]:
+    """The sample names ``catalog`` reads: each source's name and aliases, counters also with ``_total``
+    (computed once per catalog: every scrape of every engine asks)."""
     names: set[str] = set()
-    for src in sources:
+    for src in catalog.sources().values():
         for name in (src.name, *(a.name for a in src.aliases)):
             names.add(name)
             if src.read is Read.COUNTER:

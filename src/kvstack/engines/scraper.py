@@ -43,7 +43,7 @@ from kvstack.engines.catalog import MetricCatalog, catalog_for
 from kvstack.engines.metrics_reader import CatalogReading, MetricsParseError, read_signals
 from kvstack.engines.state import EngineState, MetricsReading
 
-__all__ = ["MetricsFetch", "MetricsScraper", "ScrapeFailed", "ScrapeObserver"]
+__all__ = ["MetricsFetch", "MetricsScraper", "ScrapeFailed", "ScrapeObserver", "check_answer", "read_capped"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +74,24 @@ class ScrapeFailed(Exception):
 
 # (engine base URL, max_bytes) -> the body of its /metrics, or ScrapeFailed; the scraper bounds the time.
 MetricsFetch = Callable[[str, int], Awaitable[bytes]]
+
+
+def check_answer(status: int, content_length: int | None, max_bytes: int) -> None:
+    """Raise `ScrapeFailed` unless a /metrics answer's status and announced length are acceptable."""
+    if status != 200:
+        raise ScrapeFailed(f"http_{status}", f"/metrics answered {status}", reached=False)
+    if (content_length or 0) > max_bytes:
+        raise ScrapeFailed("too_large", f"body of {content_length} bytes", reached=True)
+
+
+async def read_capped(readany: Callable[[], Awaitable[bytes]], max_bytes: int) -> bytes:
+    """The body, piece by piece from ``readany`` (``b""`` at the end); `ScrapeFailed` past ``max_bytes``."""
+    body = bytearray()
+    while chunk := await readany():
+        body += chunk
+        if len(body) > max_bytes:
+            raise ScrapeFailed("too_large", f"body over {max_bytes} bytes", reached=True)
+    return bytes(body)
 
 
 @dataclass
@@ -240,18 +258,8 @@ class MetricsScraper:
                 async with session.get(
                     f"{url}/metrics", headers={"Accept": "text/plain"}, allow_redirects=False
                 ) as resp:
-                    if resp.status != 200:
-                        raise ScrapeFailed(
-                            f"http_{resp.status}", f"/metrics answered {resp.status}", reached=False
-                        )
-                    if (resp.content_length or 0) > max_bytes:
-                        raise ScrapeFailed("too_large", f"body of {resp.content_length} bytes", reached=True)
-                    body = bytearray()
-                    async for chunk in resp.content.iter_any():
-                        body += chunk
-                        if len(body) > max_bytes:
-                            raise ScrapeFailed("too_large", f"body over {max_bytes} bytes", reached=True)
-                    return bytes(body)
+                    check_answer(resp.status, resp.content_length, max_bytes)
+                    return await read_capped(resp.content.readany, max_bytes)
             except aiohttp.ClientConnectionError as exc:
                 raise ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
             except aiohttp.ClientError as exc:

@@ -17,7 +17,7 @@ import aiohttp
 
 from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
 from kvstack.engines.prompt_tokens import PromptTokenizer
-from kvstack.engines.scraper import MetricsFetch, MetricsScraper, ScrapeFailed
+from kvstack.engines.scraper import MetricsFetch, MetricsScraper, ScrapeFailed, check_answer, read_capped
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.index.history import HistoryIndex
@@ -237,15 +237,8 @@ def lean_metrics_fetch(pool: UpstreamPool, connect_timeout: float) -> MetricsFet
         except UpstreamError as exc:
             raise ScrapeFailed("client_error", str(exc), reached=False) from exc
         try:
-            if resp.status != 200:
-                raise ScrapeFailed(f"http_{resp.status}", f"/metrics answered {resp.status}", reached=False)
-            if (resp.content_length or 0) > max_bytes:
-                raise ScrapeFailed("too_large", f"body of {resp.content_length} bytes", reached=True)
-            body = bytearray()
-            while chunk := await resp.readany():
-                body += chunk
-                if len(body) > max_bytes:
-                    raise ScrapeFailed("too_large", f"body over {max_bytes} bytes", reached=True)
+            check_answer(resp.status, resp.content_length, max_bytes)
+            body = await read_capped(resp.readany, max_bytes)
         except UpstreamError as exc:
             resp.close()
             raise ScrapeFailed("client_error", str(exc), reached=False) from exc
@@ -253,7 +246,7 @@ def lean_metrics_fetch(pool: UpstreamPool, connect_timeout: float) -> MetricsFet
             resp.close()
             raise
         resp.release()
-        return bytes(body)
+        return body
 
     return get
 
