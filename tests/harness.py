@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -28,8 +29,34 @@ from kvstack.cache.keys import ChunkKey
 REPO = Path(__file__).resolve().parents[1]
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_LOW = _ephemeral_low()
+_ports = random.Random()  # not the tests' seeded generators: the same port every run would be no safer
+
+
 def free_port() -> int:
-    with socket.socket() as s:
+    """A 127.0.0.1 port nothing is bound to, for a server started later (a subprocess, or anything that
+    needs its port up front; in-process servers bind port 0 instead).
+
+    Picked below the kernel's ephemeral range: a port from that range (what binding port 0 returns) can be
+    handed to any outgoing connection between this check and the server's own bind, which then fails with
+    "address already in use" (seen once in a full run). Ports below it are only ever taken by a bind."""
+    high = max(1025, min(_EPHEMERAL_LOW, 65536))  # exclusive
+    for _ in range(100):
+        port = _ports.randrange(max(1024, high - 12000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # the range below is crowded: fall back to the kernel's choice
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 

@@ -68,7 +68,7 @@ async def _sims(
         block = block_sizes[i] if block_sizes else BLOCK
         cfg = EngineConfig(model_name=MODEL, time_scale=20.0, block_size=block, num_gpu_blocks=4096)
         opts = SimOptions(
-            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=free_port(), kv_events=kv_events,
+            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=kv_events,
             replay=kv_events, legacy_event_encoding=legacy_events,
         )  # fmt: skip
         out.append(await start_engine(opts, tok, sampler, 0))
@@ -92,9 +92,7 @@ async def kv_stack(request: pytest.FixtureRequest) -> AsyncIterator[KVStack]:
     # A generous scrape timeout: on a loaded machine a slow scrape makes metrics stale, and a stale engine
     # counts as saturated, which would move repeats off the holder for reasons this file does not test.
     router = await start_router(
-        RouterOptions(
-            port=free_port(), engines=[Endpoint(e.url) for e in engines], routing=routing, scrape_timeout=2.0
-        )
+        RouterOptions(port=0, engines=[Endpoint(e.url) for e in engines], routing=routing, scrape_timeout=2.0)
     )
     http = aiohttp.ClientSession()
     try:
@@ -196,7 +194,7 @@ async def test_approximate_prefix_without_events(kv_stack: KVStack) -> None:
 async def test_engines_with_different_block_sizes_coexist(legacy_events: bool) -> None:
     engines = await _sims(2, kv_events=True, block_sizes=(16, 128), legacy_events=legacy_events)
     router = await start_router(
-        RouterOptions(port=free_port(), engines=[Endpoint(e.url) for e in engines], routing="kv-aware")
+        RouterOptions(port=0, engines=[Endpoint(e.url) for e in engines], routing="kv-aware")
     )
     small, large = engines[0].url, engines[1].url
     try:
@@ -328,7 +326,7 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
         cache_events = CacheEvents(cache.endpoint, node="node-a")
         router = await start_router(
             RouterOptions(
-                port=free_port(),
+                port=0,
                 engines=[Endpoint(engines[0].url, node="node-a"), Endpoint(engines[1].url, node="node-b")],
                 routing="kv-aware",
                 cache_events=[cache_events],
@@ -399,7 +397,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
     near, far = engines[0].url, engines[1].url
     router = await start_router(
         RouterOptions(
-            port=free_port(),
+            port=0,
             engines=[Endpoint(near, node="node-a"), Endpoint(far, node="node-b")],
             routing="kv-aware",
             cache_events=[CacheEvents(events, node="node-a", replay_endpoint=replay)],

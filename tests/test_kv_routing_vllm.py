@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from conftest import _require_vllm
-from harness import EngineProcess, free_port, start_vllm
+from harness import EngineProcess, start_vllm
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer, TextPrompt
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
@@ -65,7 +65,7 @@ async def kv_router(
         await _reset(http, engine.url)
     router = await start_router(
         RouterOptions(
-            port=free_port(),
+            port=0,
             engines=[Endpoint(vllm_engine.url), Endpoint(second_vllm.url)],
             tokenizers={"*": str(tiny_model_dir)},
         )

@@ -14,7 +14,6 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import free_port
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.router.app import RouterConfig
@@ -54,7 +53,7 @@ async def start_sims(
     for _ in range(n):
         cfg = EngineConfig(model_name=MODEL, time_scale=time_scale, block_size=16, num_gpu_blocks=4096)
         opts = SimOptions(
-            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=free_port(), kv_events=False,
+            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=False,
             faults=faults or FaultConfig(),
         )  # fmt: skip
         out.append(await start_engine(opts, tok, sampler, 0))
@@ -78,7 +77,7 @@ async def stack(request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     marker = request.node.get_closest_marker("routing")
     engines = await start_sims(2)
     opts = RouterOptions(
-        port=free_port(),
+        port=0,
         engines=[Endpoint(e.url) for e in engines],
         routing=marker.args[0] if marker else "default",
         app=RouterConfig(timeouts=Timeouts(connect=1.0, first_byte=10.0, idle=5.0, total=60.0)),
@@ -293,7 +292,7 @@ async def test_first_byte_timeout_retries_then_504(stack: Stack) -> None:
 # -- admission and admin -----------------------------------------------------------------------------
 async def test_admission_queue_full_gives_429_with_retry_after() -> None:
     engines = await start_sims(1, time_scale=2.0)
-    opts = RouterOptions(port=free_port(), engines=[Endpoint(engines[0].url)], max_in_flight=2, max_queue=2)
+    opts = RouterOptions(port=0, engines=[Endpoint(engines[0].url)], max_in_flight=2, max_queue=2)
     router = await start_router(opts)
     await wait_models(router, 1)
     try:
@@ -318,7 +317,7 @@ async def test_admission_queue_full_gives_429_with_retry_after() -> None:
 async def test_admin_endpoints_need_the_key_and_drain_works() -> None:
     engines = await start_sims(2)
     opts = RouterOptions(
-        port=free_port(),
+        port=0,
         engines=[Endpoint(engines[0].url)],
         app=RouterConfig(admin_key="s3cret", api_keys=frozenset({"k1"})),
     )

@@ -7,7 +7,6 @@ import asyncio
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import free_port
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
@@ -17,7 +16,7 @@ from kvstack.sim.textgen import OutputSampler
 async def test_requests_beyond_the_queue_limit_get_503_and_are_counted() -> None:
     tok = load_tokenizer(None)
     cfg = EngineConfig(model_name="m", max_num_queued_reqs=4, max_num_seqs=2, time_scale=5.0)
-    opts = SimOptions(engine=cfg, served_model_names=["m"], model_root="m", port=free_port(), kv_events=False)
+    opts = SimOptions(engine=cfg, served_model_names=["m"], model_root="m", port=0, kv_events=False)
     running = await start_engine(opts, tok, OutputSampler(tok), 0)
     try:
         async with aiohttp.ClientSession() as http:
