@@ -27,6 +27,8 @@ Then *interleaved latency rounds* (``--latency-rounds``, 5): every target runs a
 measures the low plain load on direct and on every target one after the other (``--round-duration`` s
 each, the order rotating), so a noisy minute on this shared machine falls on all of them alike. The added
 p99 the verdict reads is the median over rounds of (target p99 - direct p99 of the same round).
+Each round starts with 3 s of an idle event loop's 1 ms timer (``machine_info.timer_wakeup_lag``): its
+p99 lag is the machine's own wake-up floor in that minute, shown under the rounds.
 
 Each run also records the CPU seconds of the target's processes, the backend's, wrk's and the machine's
 busy share (``/proc``): load generator, routers and backend share the machine's cores, so the CPU cost per
@@ -68,7 +70,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine, machine_cpu_ticks, process_cpu_seconds
+from machine_info import machine, machine_cpu_ticks, process_cpu_seconds, timer_wakeup_lag
 from rich.console import Console
 from rich.table import Table
 
@@ -86,6 +88,7 @@ STREAM_BODY = PLAIN_BODY[:-1] + b',"stream":true}'
 LOW_CONNECTIONS = 4
 MAX_CONNECTIONS = 64
 WRK_TIMEOUT = "5s"
+WAKEUP_PROBE_S = 3.0  # per interleaved round: machine_info.timer_wakeup_lag
 
 # wrk's main and thread Lua states both read the environment, so whether delay() and request() exist
 # is decided identically in all of them (wrk checks for delay() in the main state).
@@ -845,7 +848,8 @@ def latency_rounds(
                 break
             order = running[i % len(running) :] + running[: i % len(running)]
             console.print(f"latency round {i + 1}/{args.latency_rounds}: {', '.join(n for n, _, _ in order)}")
-            this_round: dict[str, Any] = {}
+            # The machine's own wake-up lag this round, while every target idles: the floor under any tail.
+            this_round: dict[str, Any] = {"timer_wakeup": timer_wakeup_lag(WAKEUP_PROBE_S)}
             for name, group, url in order:
                 r = measure(
                     wrk=wrk,
@@ -890,6 +894,9 @@ def latency_rounds(
             "added_p50_ms_median": statistics.median(added50) if added50 else None,
             "added_p99_ms_median": statistics.median(added99) if added99 else None,
         }
+    wake = [rnd["timer_wakeup"]["p99_ms"] for rnd in result["rounds"]]
+    result["timer_wakeup_p99_ms_by_round"] = wake
+    result["timer_wakeup_p99_ms_median"] = statistics.median(wake) if wake else None
     result["summary"] = summary
     return result
 
@@ -907,6 +914,15 @@ def rounds_table(rounds: dict[str, Any]) -> Table:
             " ".join(f"{x:.2f}" for x in s["added_p99_ms_by_round"]),
             _fmt(s["added_p50_ms_median"]),
             _fmt(s["added_p99_ms_median"]),
+        )
+    wake = rounds.get("timer_wakeup_p99_ms_by_round") or []
+    if wake:  # results from before the probe existed have none
+        table.add_row(
+            "machine: idle loop's 1 ms timer, p99 lag",
+            "",
+            " ".join(f"{x:.2f}" for x in wake),
+            "",
+            _fmt(rounds["timer_wakeup_p99_ms_median"]),
         )
     return table
 
