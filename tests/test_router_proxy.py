@@ -188,6 +188,38 @@ async def test_bad_input_gets_openai_error_json(
         body = await r.json(content_type=None)
         assert r.status == status, body
         assert set(body["error"]) == {"message", "type", "param", "code"}
+    # Refused requests are counted too; the router's own refusals under engine "none", model "other".
+    async with stack.http.get(f"{stack.url}/metrics") as r:
+        text = await r.text()
+    counted = {
+        (s.labels["engine"], s.labels["model"], s.labels["status"]): s.value
+        for family in text_string_to_metric_families(text)
+        if family.name == "kvstack_router_requests"
+        for s in family.samples
+        if s.name.endswith("_total")
+    }
+    engine_side = b"max_tokens" in raw
+    assert sum(counted.values()) == 1, counted
+    ((engine, model, counted_status),) = counted
+    assert counted_status == str(status)
+    assert (engine != "none") == engine_side
+    assert model == (MODEL if engine_side else "other")  # a refused body's model is never a label
+
+
+async def test_a_router_bug_answers_500_and_is_counted_as_500(
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def broken(*_: object) -> None:
+        raise RuntimeError("scheduler bug")
+
+    monkeypatch.setattr(stack.router.app.picker, "pick", broken)
+    async with stack.http.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+        assert r.status == 500
+        assert (await r.json())["error"]["type"] == "InternalServerError"
+    assert "scheduler bug" in caplog.text
+    async with stack.http.get(f"{stack.url}/metrics") as r:
+        text = await r.text()
+    assert f'kvstack_router_requests_total{{engine="none",model="{MODEL}",status="500"}} 1.0' in text
 
 
 async def test_huge_body_gets_413(stack: Stack) -> None:

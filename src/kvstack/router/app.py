@@ -369,12 +369,14 @@ class RouterApp:
     async def proxied(self, request: Request, conn: Connection) -> Response | None:
         started = time.monotonic()
         raw = request.body
-        route = self._parse(request, raw)
-        timeouts = self.config.timeouts.overridden(request.headers)
-        # Only served model names become label values: a client cannot grow the metric's series.
-        model_label = route.model if route.model in self.registry.models() else "other"
         outcome = Outcome()
+        model_label = "other"  # until the body names a served model: a client cannot grow the series
         try:
+            # Refused requests (bad JSON, unknown model, bad timeout header) are counted too, engine "none".
+            route = self._parse(request, raw)
+            timeouts = self.config.timeouts.overridden(request.headers)
+            if route.model in self.registry.models():
+                model_label = route.model
             await self.admission.acquire()
             try:
                 profile, candidates = await self._candidates(route)
@@ -399,6 +401,9 @@ class RouterApp:
             return _json(err.body(), 429, [("Retry-After", rej.retry_after_header)])
         except OpenAIError as err:
             outcome.status = err.status
+            raise
+        except Exception:
+            outcome.status = outcome.status or 500  # what the server answers for it, unless already sent
             raise
         finally:
             self.metrics.request_done(model_label, outcome.engine or "none", str(outcome.status or 499))
