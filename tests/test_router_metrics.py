@@ -131,3 +131,30 @@ def test_router_metrics_use_the_lean_series_in_one_process(monkeypatch: pytest.M
     assert 'kvstack_router_in_flight_requests{engine="http://a"} 2.0' in text
     metrics.forget_engine("http://a")
     assert "http://a" not in metrics.render().decode()
+
+
+def test_circuit_gauge_follows_changes_and_a_removed_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvstack.engines.state import CircuitState
+
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    metrics = RouterMetrics()
+
+    def shown() -> str:
+        lines = metrics.render().decode().splitlines()
+        return next(line for line in lines if line.startswith("kvstack_router_circuit"))
+
+    for state, value in [
+        (CircuitState.CLOSED, "0.0"),
+        (CircuitState.CLOSED, "0.0"),
+        (CircuitState.OPEN, "2.0"),
+        (CircuitState.HALF_OPEN, "1.0"),
+        (CircuitState.HALF_OPEN, "1.0"),
+        (CircuitState.CLOSED, "0.0"),
+        (CircuitState.OPEN, "2.0"),
+    ]:
+        metrics.set_circuit("http://a", state)
+        assert shown() == f'kvstack_router_circuit_state{{engine="http://a"}} {value}'
+    metrics.forget_engine("http://a")
+    assert "http://a" not in metrics.render().decode()
+    metrics.set_circuit("http://a", CircuitState.OPEN)  # the same URL added again: shown again
+    assert shown() == 'kvstack_router_circuit_state{engine="http://a"} 2.0'

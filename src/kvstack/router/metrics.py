@@ -337,6 +337,7 @@ class RouterMetrics:
 
         # labels() takes a lock and validates on every call; the hot path reuses children instead.
         self._children: dict[tuple[object, ...], Any] = {}
+        self._circuit_states: dict[str, CircuitState] = {}
 
     def _child(self, metric: Any, *values: str) -> Any:
         key = (id(metric), *values)
@@ -346,12 +347,16 @@ class RouterMetrics:
         return child
 
     def set_circuit(self, engine: str, state: CircuitState) -> None:
-        self._child(self.circuit, engine).set(CIRCUIT_VALUES[state])
+        # Called after every proxied attempt; the gauge (a lock and a check) only when the state changed.
+        if self._circuit_states.get(engine) is not state:
+            self._circuit_states[engine] = state
+            self._child(self.circuit, engine).set(CIRCUIT_VALUES[state])
 
     def forget_engine(self, engine: str) -> None:
         """Drop every series labelled with an engine when it leaves (its request counts included), so
         engines that come and go do not grow /metrics without bound."""
         self._children = {k: v for k, v in self._children.items() if engine not in k[1:]}
+        self._circuit_states.pop(engine, None)
         self.hot.forget_engine(engine)
         with contextlib.suppress(KeyError):
             self.circuit.remove(engine)
