@@ -1,31 +1,87 @@
-"""The router's per-request series: the lean single-process ones render what prometheus_client would."""
+"""The router's per-request series: plain numbers that render what prometheus_client would, in one
+process and summed over several workers."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstack.router.metrics import (
-    LATENCY_BUCKETS,
-    HotSeries,
-    LeanHotSeries,
-    PrometheusHotSeries,
-    RouterMetrics,
-)
+from kvstack.router.metrics import LATENCY_BUCKETS, LeanHotSeries, RouterMetrics, WorkerHotSeries
 
 
-def _lean() -> tuple[HotSeries, CollectorRegistry]:
+class PrometheusReference:
+    """The same five series as prometheus_client metrics: what the lean ones must render."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.requests = Counter(
+            "kvstack_router_requests",
+            "Requests answered, by model, engine and HTTP status.",
+            ["model", "engine", "status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvstack_router_time_to_first_byte_seconds",
+            "Time from request arrival to the first response byte.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvstack_router_request_duration_seconds",
+            "Time from request arrival to the last response byte.",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            "kvstack_router_in_flight_requests",
+            "Requests sent to an engine and not finished.",
+            ["engine"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvstack_router_routing_decisions",
+            "Routing decisions by scheduling profile and engine.",
+            ["profile", "engine"],
+            registry=r,
+        )
+
+    def request_done(self, model: str, engine: str, status: str) -> None:
+        self.requests.labels(model, engine, status).inc()
+
+    def observe_latency(self, model: str, first_byte: float, total: float) -> None:
+        self.ttft.labels(model).observe(first_byte)
+        self.e2e.labels(model).observe(total)
+
+    def decision(self, profile: str, engine: str) -> None:
+        self.decisions.labels(profile, engine).inc()
+
+    def engine_in_flight(self, engine: str) -> Any:
+        return self.in_flight.labels(engine)
+
+    def forget_engine(self, engine: str) -> None:
+        with contextlib.suppress(KeyError):
+            self.in_flight.remove(engine)
+        for metric in (self.requests, self.decisions):
+            RouterMetrics.drop_series(metric, engine)
+
+
+def _lean() -> tuple[Any, CollectorRegistry]:
     registry = CollectorRegistry()
     return LeanHotSeries(registry), registry
 
 
-def _prometheus() -> tuple[HotSeries, CollectorRegistry]:
+def _prometheus() -> tuple[Any, CollectorRegistry]:
     registry = CollectorRegistry()
-    return PrometheusHotSeries(registry, lambda metric, *values: metric.labels(*values)), registry
+    return PrometheusReference(registry), registry
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -45,7 +101,7 @@ def _families(registry: CollectorRegistry) -> dict[str, tuple[str, str]]:
     }
 
 
-def _replay(series: HotSeries, ops: list[tuple[Any, ...]]) -> None:
+def _replay(series: Any, ops: list[tuple[Any, ...]]) -> None:
     for op, *args in ops:
         if op == "in_flight":
             series.engine_in_flight(args[0]).set(args[1])
@@ -158,3 +214,57 @@ def test_circuit_gauge_follows_changes_and_a_removed_engine(monkeypatch: pytest.
     assert "http://a" not in metrics.render().decode()
     metrics.set_circuit("http://a", CircuitState.OPEN)  # the same URL added again: shown again
     assert shown() == 'kvstack_router_circuit_state{engine="http://a"} 2.0'
+
+
+def _workers(tmp_path: Path, count: int) -> list[WorkerHotSeries]:
+    return [WorkerHotSeries(tmp_path, i, count) for i in range(count)]
+
+
+def test_workers_render_the_sum_of_what_each_counted(tmp_path: Path) -> None:
+    """Three workers split a random workload; any of them renders what one process given all of it
+    renders (in-flight gauges summed per engine)."""
+    ops = _random_ops(random.Random(11), 3000)
+    workers = _workers(tmp_path, 3)
+    reference, reference_registry = _lean()
+    rng = random.Random(12)
+    for op in ops:
+        if op[0] == "forget_engine":
+            continue  # a removal reaches every worker; the split below would not say which one
+        worker = workers[rng.randrange(3)]
+        if op[0] == "in_flight":
+            # Each worker's own count for the engine; the reference holds their sum.
+            worker.engine_in_flight(op[1]).set(op[2])
+            total = sum(w.engine_in_flight(op[1]).value for w in workers)
+            reference.engine_in_flight(op[1]).set(total)
+        else:
+            _replay(worker, [op])
+            _replay(reference, [op])
+    for w in workers[1:]:
+        w.flush()
+    registry = CollectorRegistry()
+    registry.register(workers[0])
+    assert _families(registry) == _families(reference_registry)
+    got, want = _samples(registry), _samples(reference_registry)
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-12, abs=1e-12), key
+
+
+def test_a_worker_renders_without_siblings_that_never_wrote_or_wrote_garbage(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    workers = _workers(tmp_path, 3)
+    workers[0].request_done("m", "http://a", "200")
+    workers[1].request_done("m", "http://a", "200")
+    workers[1].flush()
+    (tmp_path / "hot-series-2.msgpack").write_bytes(b"not msgpack")
+    registry = CollectorRegistry()
+    registry.register(workers[0])
+    with caplog.at_level(logging.WARNING):
+        text = generate_latest(registry).decode()
+    assert 'kvstack_router_requests_total{engine="http://a",model="m",status="200"} 2.0' in text
+    assert "worker 2's snapshot" in caplog.text
+    workers[1].request_done("m", "http://a", "200")  # not flushed yet: the render shows what was written
+    assert 'status="200"} 2.0' in generate_latest(registry).decode()
+    workers[1].flush()
+    assert 'status="200"} 3.0' in generate_latest(registry).decode()

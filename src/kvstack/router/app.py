@@ -47,6 +47,7 @@ Handler = Callable[[Request, Connection], Awaitable[Response | None]]
 _decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 
+FLUSH_HOT_SERIES = "flush-hot-series"  # worker control operation: write your request metrics now
 PROXIED_PATHS = (
     "/v1/completions",
     "/v1/chat/completions",
@@ -130,6 +131,7 @@ class RouterApp:
         if group is not None:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
                 group.on(op, self.apply_internal)
+            group.on(FLUSH_HOT_SERIES, lambda op, body: self.metrics.flush_hot())
         self._model_tasks: dict[str, asyncio.Task[None]] = {}
         self._routes: dict[str, dict[str, Handler]] = {path: {"POST": self.proxied} for path in PROXIED_PATHS}
         self._routes.update(
@@ -267,6 +269,9 @@ class RouterApp:
         self.metrics.queue_depth.set(self.admission.queued)
         if self.on_metrics is not None:
             self.on_metrics()
+        if self.group is not None:
+            # Each worker counts its requests itself: have the others write theirs, then sum them all.
+            await self.group.broadcast(FLUSH_HOT_SERIES, {})
         return Response(200, self.metrics.render(), [("Content-Type", "text/plain; charset=utf-8")])
 
     async def models(self, request: Request, conn: Connection) -> Response:

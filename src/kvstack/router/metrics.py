@@ -10,19 +10,22 @@ decisions) are the hot ones. A prometheus_client metric takes a lock and re-chec
 about 12 µs of each proxied request here, ~8% of the router's CPU per request. In one process the event
 loop is their only writer, so `LeanHotSeries` keeps them as plain numbers in dictionaries and builds the
 metric families only when /metrics is read; the names, labels and samples are those prometheus_client would
-render (a test compares the two). Several worker processes need prometheus_client's shared files, so there
-the same five go through `PrometheusHotSeries`.
+render (a test compares the two). With several workers each keeps its own the same way (`WorkerHotSeries`):
+/metrics on any worker has the others write theirs to the group directory and renders the sums.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, Protocol
 
+import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import (
     CounterMetricFamily,
@@ -35,6 +38,8 @@ from prometheus_client.samples import Sample
 from prometheus_client.utils import floatToGoString
 
 from kvstack.engines.state import CircuitState
+
+log = logging.getLogger(__name__)
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 CIRCUIT_VALUES = {CircuitState.CLOSED: 0, CircuitState.HALF_OPEN: 1, CircuitState.OPEN: 2}
@@ -52,20 +57,6 @@ _E2E = ("kvstack_router_request_duration_seconds", "Time from request arrival to
 _IN_FLIGHT = ("kvstack_router_in_flight_requests", "Requests sent to an engine and not finished.")
 _DECISIONS = ("kvstack_router_routing_decisions", "Routing decisions by scheduling profile and engine.")
 _DECISION_LABELS = ("profile", "engine")
-
-
-class HotSeries(Protocol):
-    """The per-request series: what `RouterMetrics` hands the proxy's hot path."""
-
-    def request_done(self, model: str, engine: str, status: str) -> None: ...
-
-    def observe_latency(self, model: str, first_byte: float, total: float) -> None: ...
-
-    def decision(self, profile: str, engine: str) -> None: ...
-
-    def engine_in_flight(self, engine: str) -> InFlightGauge: ...
-
-    def forget_engine(self, engine: str) -> None: ...
 
 
 class _Value:
@@ -95,7 +86,9 @@ class LeanHotSeries:
     """The hot series as plain numbers for a single-process router, rendered as a prometheus_client
     collector (registered in the router's registry). Only the event loop's thread may update them."""
 
-    def __init__(self, registry: CollectorRegistry, buckets: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None, buckets: tuple[float, ...] = LATENCY_BUCKETS
+    ) -> None:
         self._bounds = buckets
         self._les = [*(floatToGoString(b) for b in buckets), "+Inf"]
         self._requests: dict[tuple[str, str, str], float] = {}
@@ -104,7 +97,8 @@ class LeanHotSeries:
         self._ttft: dict[str, _Histogram] = {}
         self._e2e: dict[str, _Histogram] = {}
         self._in_flight: dict[str, _Value] = {}
-        registry.register(self)
+        if registry is not None:
+            registry.register(self)
 
     def request_done(self, model: str, engine: str, status: str) -> None:
         key = (model, engine, status)
@@ -149,79 +143,148 @@ class LeanHotSeries:
             del self._decisions[pair]
             self._created.pop(pair, None)
 
+    def snapshot(self) -> HotSnapshot:
+        """The series' values now, as plain data (what a worker shares with its siblings)."""
+        created = self._created
+        return HotSnapshot(
+            requests=[(*key, count, created.get(key, 0.0)) for key, count in self._requests.items()],
+            decisions=[(*pair, count, created.get(pair, 0.0)) for pair, count in self._decisions.items()],
+            ttft=[(m, list(h.counts), h.total, h.created) for m, h in self._ttft.items()],
+            e2e=[(m, list(h.counts), h.total, h.created) for m, h in self._e2e.items()],
+            in_flight=[(engine, gauge.value) for engine, gauge in self._in_flight.items()],
+        )
+
     # -- prometheus_client's Collector protocol
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration: the names are the router's own
 
     def collect(self) -> Iterator[Metric]:
+        yield from self.render(self.snapshot())
+
+    def render(self, snap: HotSnapshot) -> Iterator[Metric]:
         requests = CounterMetricFamily(*_REQUESTS, labels=_REQUEST_LABELS)
-        for key, count in self._requests.items():
-            requests.add_metric(key, count, created=self._created.get(key))
+        for model, engine, status, count, created in snap.requests:
+            requests.add_metric((model, engine, status), count, created=created)
         yield requests
-        for (name, doc), series in ((_TTFT, self._ttft), (_E2E, self._e2e)):
+        for (name, doc), series in ((_TTFT, snap.ttft), (_E2E, snap.e2e)):
             yield self._histogram_family(name, doc, series)
         in_flight = GaugeMetricFamily(*_IN_FLIGHT, labels=("engine",))
-        for engine, gauge in self._in_flight.items():
-            in_flight.add_metric((engine,), gauge.value)
+        for engine, value in snap.in_flight:
+            in_flight.add_metric((engine,), value)
         yield in_flight
         decisions = CounterMetricFamily(*_DECISIONS, labels=_DECISION_LABELS)
-        for pair, count in self._decisions.items():
-            decisions.add_metric(pair, count, created=self._created.get(pair))
+        for profile, engine, count, created in snap.decisions:
+            decisions.add_metric((profile, engine), count, created=created)
         yield decisions
 
-    def _histogram_family(self, name: str, doc: str, series: dict[str, _Histogram]) -> HistogramMetricFamily:
+    def _histogram_family(
+        self, name: str, doc: str, series: list[tuple[str, list[int], float, float]]
+    ) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, doc, labels=("model",))
-        for model, histogram in series.items():
+        for model, counts, total, created in series:
             cumulative, running = [], 0
-            for le, count in zip(self._les, histogram.counts, strict=True):
+            for le, count in zip(self._les, counts, strict=True):
                 running += count
                 cumulative.append((le, float(running)))
-            family.add_metric((model,), cumulative, histogram.total)
-            family.samples.append(Sample(f"{name}_created", {"model": model}, histogram.created))
+            family.add_metric((model,), cumulative, total)
+            family.samples.append(Sample(f"{name}_created", {"model": model}, created))
         return family
 
 
-class PrometheusHotSeries:
-    """The hot series as prometheus_client metrics: what several worker processes share (multiprocess
-    mode)."""
+class HotSnapshot(msgspec.Struct, array_like=True):
+    """The hot series' values at one moment: label values, then value and creation time (histograms:
+    per-bucket counts, not cumulative, then the sum)."""
 
-    def __init__(self, registry: CollectorRegistry, child: Callable[..., Any]) -> None:
-        self._child = child
-        self.requests = Counter(*_REQUESTS, _REQUEST_LABELS, registry=registry)
-        self.ttft = Histogram(*_TTFT, ["model"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.e2e = Histogram(*_E2E, ["model"], buckets=LATENCY_BUCKETS, registry=registry)
-        self.in_flight = Gauge(*_IN_FLIGHT, ["engine"], multiprocess_mode="livesum", registry=registry)
-        self.decisions = Counter(*_DECISIONS, _DECISION_LABELS, registry=registry)
+    requests: list[tuple[str, str, str, float, float]]
+    decisions: list[tuple[str, str, float, float]]
+    ttft: list[tuple[str, list[int], float, float]]
+    e2e: list[tuple[str, list[int], float, float]]
+    in_flight: list[tuple[str, float]]
 
-    def request_done(self, model: str, engine: str, status: str) -> None:
-        self._child(self.requests, model, engine, status).inc()
+    @classmethod
+    def merged(cls, snapshots: Iterable[HotSnapshot]) -> HotSnapshot:
+        """Several workers' snapshots as one: counts, sums and in-flight added, the earliest creation."""
+        counters: dict[str, dict[tuple[str, ...], list[float]]] = {"requests": {}, "decisions": {}}
+        histograms: dict[str, dict[str, tuple[list[int], list[float]]]] = {"ttft": {}, "e2e": {}}
+        in_flight: dict[str, float] = {}
+        for snap in snapshots:
+            for name, snap_rows in (("requests", snap.requests), ("decisions", snap.decisions)):
+                merged = counters[name]
+                for *labels, count, created in snap_rows:
+                    key = tuple(labels)
+                    seen = merged.get(key)
+                    if seen is None:
+                        merged[key] = [count, created]
+                    else:
+                        seen[0] += count
+                        seen[1] = min(seen[1], created)
+            for name, series in (("ttft", snap.ttft), ("e2e", snap.e2e)):
+                hists = histograms[name]
+                for model, counts, total, created in series:
+                    found = hists.get(model)
+                    if found is None:
+                        hists[model] = (list(counts), [total, created])
+                    else:
+                        found[0][:] = [a + b for a, b in zip(found[0], counts, strict=True)]
+                        found[1][0] += total
+                        found[1][1] = min(found[1][1], created)
+            for engine, value in snap.in_flight:
+                in_flight[engine] = in_flight.get(engine, 0.0) + value
 
-    def observe_latency(self, model: str, first_byte: float, total: float) -> None:
-        self._child(self.ttft, model).observe(first_byte)
-        self._child(self.e2e, model).observe(total)
+        def rows(name: str) -> list[Any]:
+            return [(*key, count, created) for key, (count, created) in counters[name].items()]
 
-    def decision(self, profile: str, engine: str) -> None:
-        self._child(self.decisions, profile, engine).inc()
+        def hist(name: str) -> list[tuple[str, list[int], float, float]]:
+            return [(m, counts, total, created) for m, (counts, (total, created)) in histograms[name].items()]
 
-    def engine_in_flight(self, engine: str) -> InFlightGauge:
-        gauge: InFlightGauge = self._child(self.in_flight, engine)
-        return gauge
+        return cls(rows("requests"), rows("decisions"), hist("ttft"), hist("e2e"), list(in_flight.items()))
 
-    def forget_engine(self, engine: str) -> None:
-        with contextlib.suppress(KeyError):
-            self.in_flight.remove(engine)
-        for metric in (self.requests, self.decisions):
-            RouterMetrics.drop_series(metric, engine)
+
+class WorkerHotSeries(LeanHotSeries):
+    """The hot series of one of several worker processes (``--workers``): each worker counts its own in
+    plain numbers, as one process does; /metrics on any worker asks the others to write their snapshot
+    (`flush`, over the group's control sockets) and renders the sum of all. Not registered anywhere:
+    `RouterMetrics.render` adds it to the merged registry."""
+
+    def __init__(self, directory: Path, index: int, count: int) -> None:
+        super().__init__(None)
+        self.index = index
+        self._paths = [directory / f"hot-series-{i}.msgpack" for i in range(count)]
+
+    def flush(self) -> None:
+        """Write this worker's snapshot where its siblings read it (whole, by rename)."""
+        path = self._paths[self.index]
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(_SNAPSHOTS.encode(self.snapshot()))
+        os.replace(tmp, path)
+
+    def collect(self) -> Iterator[Metric]:
+        snapshots = [self.snapshot()]
+        for i, path in enumerate(self._paths):
+            if i == self.index:
+                continue
+            try:
+                snapshots.append(_SNAPSHOT_DECODER.decode(path.read_bytes()))
+            except FileNotFoundError:
+                continue  # a sibling that has not counted anything yet
+            except (OSError, msgspec.DecodeError) as exc:
+                log.warning("router metrics: cannot read worker %d's snapshot %s: %s", i, path, exc)
+        yield from self.render(HotSnapshot.merged(snapshots))
+
+
+_SNAPSHOTS = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(HotSnapshot)
 
 
 class RouterMetrics:
-    def __init__(self) -> None:
+    def __init__(self, worker: tuple[Path, int, int] | None = None) -> None:
+        """``worker``: (group directory, this worker's index, worker count) when running as one of
+        several workers."""
         self.registry = reg = CollectorRegistry(auto_describe=True)
         # Set by the worker supervisor before this process imported prometheus_client.
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
-        self.hot: HotSeries = (
-            PrometheusHotSeries(reg, self._child) if self.multiprocess else LeanHotSeries(reg)
-        )
+        # Plain numbers in every case; with workers, each worker's are summed when /metrics is read.
+        self.hot = WorkerHotSeries(*worker) if worker else LeanHotSeries(None if self.multiprocess else reg)
         # The proxy calls these once or twice per request: bound straight to the series, no extra call.
         self.request_done = self.hot.request_done
         self.observe_latency = self.hot.observe_latency
@@ -421,9 +484,15 @@ class RouterMetrics:
     def tokenized(self, source: str, seconds: float) -> None:
         self._child(self.tokenize_seconds, source).observe(seconds)
 
+    def flush_hot(self) -> None:
+        """Write this worker's hot series for a sibling rendering /metrics (no-op in one process)."""
+        if isinstance(self.hot, WorkerHotSeries):
+            self.hot.flush()
+
     def render(self) -> bytes:
         if self.multiprocess:
             merged = CollectorRegistry()
             MultiProcessCollector(merged)
+            merged.register(self.hot)
             return generate_latest(merged)
         return generate_latest(self.registry)

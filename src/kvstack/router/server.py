@@ -123,7 +123,9 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         shared_in_flight=None if group is None else group.in_flight,
         on_circuit_open=None if group is None else _circuit_broadcaster(group),
     )
-    metrics = RouterMetrics()
+    metrics = RouterMetrics(
+        None if opts.group is None else (opts.group.directory, opts.group.index, opts.group.count)
+    )
     kv_scheduler: Scheduler | None = None
     if opts.routing == "auto":
         scheduler = build_scheduler(load_routing("default"))

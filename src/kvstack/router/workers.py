@@ -16,7 +16,9 @@ it is kept right:
   the sum of the other rows.
 - **Metrics**: prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` in the group
   directory), so /metrics on any worker reports the whole router: counters and histograms summed, gauges
-  summed (in-flight, queue) or the worst value (circuit state).
+  summed (in-flight, queue) or the worst value (circuit state). The series every request updates are
+  plain numbers in each worker instead (``metrics.WorkerHotSeries``): the worker rendering /metrics asks
+  the others to write theirs to the group directory first, then sums them.
 - **Admission limits** (``--max-in-flight``, ``--max-queue``) are divided between the workers (rounded
   up), the usual way for processes behind one port: the kernel balances connections, not requests.
 - **Prefix knowledge**: every worker subscribes to the KV events itself, so each holds the same index;
