@@ -268,3 +268,15 @@ def test_a_worker_renders_without_siblings_that_never_wrote_or_wrote_garbage(
     assert 'status="200"} 2.0' in generate_latest(registry).decode()
     workers[1].flush()
     assert 'status="200"} 3.0' in generate_latest(registry).decode()
+
+
+def test_router_metrics_of_a_worker_render_every_workers_requests(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    first, second = RouterMetrics((tmp_path, 0, 2)), RouterMetrics((tmp_path, 1, 2))
+    first.request_done("m", "http://a", "200")
+    second.request_done("m", "http://a", "200")
+    second.flush_hot()
+    text = first.render().decode()
+    assert 'kvstack_router_requests_total{engine="http://a",model="m",status="200"} 2.0' in text

@@ -243,8 +243,7 @@ class HotSnapshot(msgspec.Struct, array_like=True):
 class WorkerHotSeries(LeanHotSeries):
     """The hot series of one of several worker processes (``--workers``): each worker counts its own in
     plain numbers, as one process does; /metrics on any worker asks the others to write their snapshot
-    (`flush`, over the group's control sockets) and renders the sum of all. Not registered anywhere:
-    `RouterMetrics.render` adds it to the merged registry."""
+    (`flush`, over the group's control sockets) and renders the sum of all."""
 
     def __init__(self, directory: Path, index: int, count: int) -> None:
         super().__init__(None)
@@ -284,7 +283,9 @@ class RouterMetrics:
         # Set by the worker supervisor before this process imported prometheus_client.
         self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
         # Plain numbers in every case; with workers, each worker's are summed when /metrics is read.
-        self.hot = WorkerHotSeries(*worker) if worker else LeanHotSeries(None if self.multiprocess else reg)
+        self.hot = WorkerHotSeries(*worker) if worker else LeanHotSeries(None)
+        if not self.multiprocess:  # else render() adds it to the registry of every process's values
+            reg.register(self.hot)
         # The proxy calls these once or twice per request: bound straight to the series, no extra call.
         self.request_done = self.hot.request_done
         self.observe_latency = self.hot.observe_latency
