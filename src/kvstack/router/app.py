@@ -408,7 +408,8 @@ class RouterApp:
             outcome.status = err.status
             raise
         except Exception:
-            outcome.status = outcome.status or 500  # what the server answers for it, unless already sent
+            if outcome.status is None and outcome.error != "client_disconnected":
+                outcome.status = 500  # what the server answers for it (a client that left counts as 499)
             raise
         finally:
             self.metrics.request_done(model_label, outcome.engine or "none", str(outcome.status or 499))
