@@ -310,6 +310,33 @@ async def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None
     assert sum([await stack.engine_metric(i, "vllm:generation_tokens_total") for i in range(2)]) < 3000
 
 
+async def test_a_client_that_leaves_before_the_answer_counts_as_499(stack: Stack) -> None:
+    for i in range(2):
+        await set_faults(stack, i, hang_rate=1.0)
+    with pytest.raises(TimeoutError):
+        async with stack.http.post(
+            f"{stack.url}/v1/completions",
+            json={"model": MODEL, "prompt": "x"},
+            timeout=aiohttp.ClientTimeout(total=0.5),
+        ):
+            pass
+    counted: dict[str, float] = {}
+    for _ in range(100):  # the router sees the disconnect a moment after the client gives up
+        async with stack.http.get(f"{stack.url}/metrics") as r:
+            text = await r.text()
+        counted = {
+            s.labels["status"]: s.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "kvstack_router_requests"
+            for s in family.samples
+            if s.name.endswith("_total")
+        }
+        if counted:
+            break
+        await asyncio.sleep(0.05)
+    assert counted == {"499": 1.0}  # under the engine it was waiting for
+
+
 async def test_first_byte_timeout_retries_then_504(stack: Stack) -> None:
     for i in range(2):
         await set_faults(stack, i, hang_rate=1.0)

@@ -408,7 +408,7 @@ class RouterApp:
             outcome.status = err.status
             raise
         except Exception:
-            if outcome.status is None and outcome.error != "client_disconnected":
+            if not outcome.status and outcome.error != "client_disconnected":
                 outcome.status = 500  # what the server answers for it (a client that left counts as 499)
             raise
         finally:
