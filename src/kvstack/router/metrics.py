@@ -49,7 +49,7 @@ class InFlightGauge(Protocol):
     def set(self, value: float) -> None: ...
 
 
-# (name, help) and label names of the hot series, shared by both implementations so they cannot drift apart.
+# (name, help) and label names of the hot series.
 _REQUESTS = ("kvstack_router_requests", "Requests answered, by model, engine and HTTP status.")
 _REQUEST_LABELS = ("model", "engine", "status")
 _TTFT = ("kvstack_router_time_to_first_byte_seconds", "Time from request arrival to the first response byte.")
