@@ -61,6 +61,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def counter_totals(text: str, family: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """The ``_total`` samples of counter ``family`` in a /metrics page, keyed by the values of ``labels``."""
+    return {
+        tuple(sample.labels[name] for name in labels): sample.value
+        for found in text_string_to_metric_families(text)
+        if found.name == family
+        for sample in found.samples
+        if sample.name.endswith("_total")
+    }
+
+
 def vllm_python() -> Path:
     return Path(os.environ.get("KVSTACK_VLLM_PYTHON", REPO / ".venvs" / "vllm" / "bin" / "python"))
 

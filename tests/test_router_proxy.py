@@ -14,6 +14,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from harness import counter_totals
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.router.app import RouterConfig
@@ -191,13 +192,7 @@ async def test_bad_input_gets_openai_error_json(
     # Refused requests are counted too; the router's own refusals under engine "none", model "other".
     async with stack.http.get(f"{stack.url}/metrics") as r:
         text = await r.text()
-    counted = {
-        (s.labels["engine"], s.labels["model"], s.labels["status"]): s.value
-        for family in text_string_to_metric_families(text)
-        if family.name == "kvstack_router_requests"
-        for s in family.samples
-        if s.name.endswith("_total")
-    }
+    counted = counter_totals(text, "kvstack_router_requests", "engine", "model", "status")
     engine_side = b"max_tokens" in raw
     assert sum(counted.values()) == 1, counted
     ((engine, model, counted_status),) = counted
@@ -320,21 +315,15 @@ async def test_a_client_that_leaves_before_the_answer_counts_as_499(stack: Stack
             timeout=aiohttp.ClientTimeout(total=0.5),
         ):
             pass
-    counted: dict[str, float] = {}
+    counted: dict[tuple[str, ...], float] = {}
     for _ in range(100):  # the router sees the disconnect a moment after the client gives up
         async with stack.http.get(f"{stack.url}/metrics") as r:
             text = await r.text()
-        counted = {
-            s.labels["status"]: s.value
-            for family in text_string_to_metric_families(text)
-            if family.name == "kvstack_router_requests"
-            for s in family.samples
-            if s.name.endswith("_total")
-        }
+        counted = counter_totals(text, "kvstack_router_requests", "status")
         if counted:
             break
         await asyncio.sleep(0.05)
-    assert counted == {"499": 1.0}  # under the engine it was waiting for
+    assert counted == {("499",): 1.0}  # under the engine it was waiting for
 
 
 async def test_first_byte_timeout_retries_then_504(stack: Stack) -> None:

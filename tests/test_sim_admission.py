@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
+from harness import counter_totals
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
@@ -38,13 +38,7 @@ async def test_requests_beyond_the_queue_limit_get_503_and_are_counted() -> None
             assert await one() == 200
             async with http.get(f"{running.url}/metrics") as r:
                 text = await r.text()
-        rejections = {
-            s.labels["reason"]: s.value
-            for fam in text_string_to_metric_families(text)
-            if fam.name == "vllm:admission_rejections"
-            for s in fam.samples
-            if s.name.endswith("_total")
-        }
-        assert rejections == {"max_num_queued_reqs": 6.0, "max_num_queued_tokens": 0.0}
+        rejections = counter_totals(text, "vllm:admission_rejections", "reason")
+        assert rejections == {("max_num_queued_reqs",): 6.0, ("max_num_queued_tokens",): 0.0}
     finally:
         await stop_engine(running)
