@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -76,10 +76,21 @@ class _Histogram:
 
     __slots__ = ("counts", "created", "total")
 
-    def __init__(self, buckets: int) -> None:
+    def __init__(self, buckets: int, created: float | None = None) -> None:
         self.counts = [0] * (buckets + 1)  # the last one is +Inf
         self.total = 0.0
-        self.created = time.time()
+        self.created = time.time() if created is None else created
+
+
+class HotSnapshot(msgspec.Struct, array_like=True):
+    """The hot series' values at one moment, what a worker shares with its siblings: label values, then
+    value and creation time (histograms: per-bucket counts, not cumulative, then the sum)."""
+
+    requests: list[tuple[str, str, str, float, float]]
+    decisions: list[tuple[str, str, float, float]]
+    ttft: list[tuple[str, list[int], float, float]]
+    e2e: list[tuple[str, list[int], float, float]]
+    in_flight: list[tuple[str, float]]
 
 
 class LeanHotSeries:
@@ -91,9 +102,9 @@ class LeanHotSeries:
     ) -> None:
         self._bounds = buckets
         self._les = [*(floatToGoString(b) for b in buckets), "+Inf"]
-        self._requests: dict[tuple[str, str, str], float] = {}
-        self._decisions: dict[tuple[str, str], float] = {}
-        self._created: dict[tuple[str, ...], float] = {}  # when each counter series first counted
+        # Counters: label values -> [count, when the series first counted].
+        self._requests: dict[tuple[str, str, str], list[float]] = {}
+        self._decisions: dict[tuple[str, str], list[float]] = {}
         self._ttft: dict[str, _Histogram] = {}
         self._e2e: dict[str, _Histogram] = {}
         self._in_flight: dict[str, _Value] = {}
@@ -102,11 +113,10 @@ class LeanHotSeries:
 
     def request_done(self, model: str, engine: str, status: str) -> None:
         key = (model, engine, status)
-        count = self._requests.get(key)
-        if count is None:
-            self._created[key] = time.time()
-            count = 0.0
-        self._requests[key] = count + 1.0
+        entry = self._requests.get(key)
+        if entry is None:
+            entry = self._requests[key] = [0.0, time.time()]
+        entry[0] += 1.0
 
     def observe_latency(self, model: str, first_byte: float, total: float) -> None:
         ttft = self._ttft.get(model)
@@ -122,11 +132,10 @@ class LeanHotSeries:
 
     def decision(self, profile: str, engine: str) -> None:
         key = (profile, engine)
-        count = self._decisions.get(key)
-        if count is None:
-            self._created[key] = time.time()
-            count = 0.0
-        self._decisions[key] = count + 1.0
+        entry = self._decisions.get(key)
+        if entry is None:
+            entry = self._decisions[key] = [0.0, time.time()]
+        entry[0] += 1.0
 
     def engine_in_flight(self, engine: str) -> InFlightGauge:
         gauge = self._in_flight.get(engine)
@@ -138,106 +147,64 @@ class LeanHotSeries:
         self._in_flight.pop(engine, None)
         for key in [k for k in self._requests if k[1] == engine]:
             del self._requests[key]
-            self._created.pop(key, None)
         for pair in [k for k in self._decisions if k[1] == engine]:
             del self._decisions[pair]
-            self._created.pop(pair, None)
 
     def snapshot(self) -> HotSnapshot:
-        """The series' values now, as plain data (what a worker shares with its siblings)."""
-        created = self._created
         return HotSnapshot(
-            requests=[(*key, count, created.get(key, 0.0)) for key, count in self._requests.items()],
-            decisions=[(*pair, count, created.get(pair, 0.0)) for pair, count in self._decisions.items()],
-            ttft=[(m, list(h.counts), h.total, h.created) for m, h in self._ttft.items()],
-            e2e=[(m, list(h.counts), h.total, h.created) for m, h in self._e2e.items()],
+            requests=[(*key, count, created) for key, (count, created) in self._requests.items()],
+            decisions=[(*pair, count, created) for pair, (count, created) in self._decisions.items()],
+            ttft=[(m, h.counts, h.total, h.created) for m, h in self._ttft.items()],
+            e2e=[(m, h.counts, h.total, h.created) for m, h in self._e2e.items()],
             in_flight=[(engine, gauge.value) for engine, gauge in self._in_flight.items()],
         )
+
+    def absorb(self, snap: HotSnapshot) -> None:
+        """Add another worker's values to these: counts, sums and in-flight added, the earliest creation."""
+        for counters, rows in ((self._requests, snap.requests), (self._decisions, snap.decisions)):
+            for *labels, count, created in rows:
+                entry = counters.setdefault(tuple(labels), [0.0, created])  # type: ignore[arg-type]
+                entry[0] += count
+                entry[1] = min(entry[1], created)
+        for histograms, series in ((self._ttft, snap.ttft), (self._e2e, snap.e2e)):
+            for model, counts, total, created in series:
+                histogram = histograms.setdefault(model, _Histogram(len(self._bounds), created))
+                histogram.counts = [a + b for a, b in zip(histogram.counts, counts, strict=True)]
+                histogram.total += total
+                histogram.created = min(histogram.created, created)
+        for engine, value in snap.in_flight:
+            self._in_flight.setdefault(engine, _Value()).value += value
 
     # -- prometheus_client's Collector protocol
     def describe(self) -> list[Metric]:
         return []  # nothing to check at registration: the names are the router's own
 
     def collect(self) -> Iterator[Metric]:
-        yield from self.render(self.snapshot())
-
-    def render(self, snap: HotSnapshot) -> Iterator[Metric]:
         requests = CounterMetricFamily(*_REQUESTS, labels=_REQUEST_LABELS)
-        for model, engine, status, count, created in snap.requests:
-            requests.add_metric((model, engine, status), count, created=created)
+        for key, (count, created) in self._requests.items():
+            requests.add_metric(key, count, created=created)
         yield requests
-        for (name, doc), series in ((_TTFT, snap.ttft), (_E2E, snap.e2e)):
+        for (name, doc), series in ((_TTFT, self._ttft), (_E2E, self._e2e)):
             yield self._histogram_family(name, doc, series)
         in_flight = GaugeMetricFamily(*_IN_FLIGHT, labels=("engine",))
-        for engine, value in snap.in_flight:
-            in_flight.add_metric((engine,), value)
+        for engine, gauge in self._in_flight.items():
+            in_flight.add_metric((engine,), gauge.value)
         yield in_flight
         decisions = CounterMetricFamily(*_DECISIONS, labels=_DECISION_LABELS)
-        for profile, engine, count, created in snap.decisions:
-            decisions.add_metric((profile, engine), count, created=created)
+        for pair, (count, created) in self._decisions.items():
+            decisions.add_metric(pair, count, created=created)
         yield decisions
 
-    def _histogram_family(
-        self, name: str, doc: str, series: list[tuple[str, list[int], float, float]]
-    ) -> HistogramMetricFamily:
+    def _histogram_family(self, name: str, doc: str, series: dict[str, _Histogram]) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, doc, labels=("model",))
-        for model, counts, total, created in series:
+        for model, histogram in series.items():
             cumulative, running = [], 0
-            for le, count in zip(self._les, counts, strict=True):
+            for le, count in zip(self._les, histogram.counts, strict=True):
                 running += count
                 cumulative.append((le, float(running)))
-            family.add_metric((model,), cumulative, total)
-            family.samples.append(Sample(f"{name}_created", {"model": model}, created))
+            family.add_metric((model,), cumulative, histogram.total)
+            family.samples.append(Sample(f"{name}_created", {"model": model}, histogram.created))
         return family
-
-
-class HotSnapshot(msgspec.Struct, array_like=True):
-    """The hot series' values at one moment: label values, then value and creation time (histograms:
-    per-bucket counts, not cumulative, then the sum)."""
-
-    requests: list[tuple[str, str, str, float, float]]
-    decisions: list[tuple[str, str, float, float]]
-    ttft: list[tuple[str, list[int], float, float]]
-    e2e: list[tuple[str, list[int], float, float]]
-    in_flight: list[tuple[str, float]]
-
-    @classmethod
-    def merged(cls, snapshots: Iterable[HotSnapshot]) -> HotSnapshot:
-        """Several workers' snapshots as one: counts, sums and in-flight added, the earliest creation."""
-        counters: dict[str, dict[tuple[str, ...], list[float]]] = {"requests": {}, "decisions": {}}
-        histograms: dict[str, dict[str, tuple[list[int], list[float]]]] = {"ttft": {}, "e2e": {}}
-        in_flight: dict[str, float] = {}
-        for snap in snapshots:
-            for name, snap_rows in (("requests", snap.requests), ("decisions", snap.decisions)):
-                merged = counters[name]
-                for *labels, count, created in snap_rows:
-                    key = tuple(labels)
-                    seen = merged.get(key)
-                    if seen is None:
-                        merged[key] = [count, created]
-                    else:
-                        seen[0] += count
-                        seen[1] = min(seen[1], created)
-            for name, series in (("ttft", snap.ttft), ("e2e", snap.e2e)):
-                hists = histograms[name]
-                for model, counts, total, created in series:
-                    found = hists.get(model)
-                    if found is None:
-                        hists[model] = (list(counts), [total, created])
-                    else:
-                        found[0][:] = [a + b for a, b in zip(found[0], counts, strict=True)]
-                        found[1][0] += total
-                        found[1][1] = min(found[1][1], created)
-            for engine, value in snap.in_flight:
-                in_flight[engine] = in_flight.get(engine, 0.0) + value
-
-        def rows(name: str) -> list[Any]:
-            return [(*key, count, created) for key, (count, created) in counters[name].items()]
-
-        def hist(name: str) -> list[tuple[str, list[int], float, float]]:
-            return [(m, counts, total, created) for m, (counts, (total, created)) in histograms[name].items()]
-
-        return cls(rows("requests"), rows("decisions"), hist("ttft"), hist("e2e"), list(in_flight.items()))
 
 
 class WorkerHotSeries(LeanHotSeries):
@@ -258,17 +225,18 @@ class WorkerHotSeries(LeanHotSeries):
         os.replace(tmp, path)
 
     def collect(self) -> Iterator[Metric]:
-        snapshots = [self.snapshot()]
+        total = LeanHotSeries(None, self._bounds)
+        total.absorb(self.snapshot())
         for i, path in enumerate(self._paths):
             if i == self.index:
                 continue
             try:
-                snapshots.append(_SNAPSHOT_DECODER.decode(path.read_bytes()))
+                total.absorb(_SNAPSHOT_DECODER.decode(path.read_bytes()))
             except FileNotFoundError:
                 continue  # a sibling that has not counted anything yet
             except (OSError, msgspec.DecodeError) as exc:
                 log.warning("router metrics: cannot read worker %d's snapshot %s: %s", i, path, exc)
-        yield from self.render(HotSnapshot.merged(snapshots))
+        yield from total.collect()
 
 
 _SNAPSHOTS = msgspec.msgpack.Encoder()
