@@ -331,6 +331,18 @@ def test_large_puts_and_gets_are_split_to_the_server_limits() -> None:
             assert client.evict(keys) == 10
 
 
+@pytest.mark.parametrize("shm", [False, True])
+def test_a_chunk_alone_over_the_message_limit_is_refused_here_not_sent(shm: bool) -> None:
+    with ThreadServer(max_message_bytes=200_000) as srv:
+        keys = [key(i, b"oversize") for i in range(3)]
+        with CacheClient(srv.endpoint or "", shm=shm, arena_bytes=1 << 20) as client:
+            assert client.put(keys[:1], [payload(0, 1000)])
+            # Over the limit, and too large for the client's 1 MiB arena: it would have to go in a frame.
+            assert not client.put(keys[1:], [payload(1, 1000), payload(2, 2 << 20)])
+            assert client.stats.failures == {"too_large": 1}  # not sent: no timeout
+            assert client.lookup(keys) == 2  # the chunk before it went; the server is not taken for down
+
+
 def test_secret(tmp_path: Path) -> None:
     with ThreadServer(secret=b"s3cret") as srv:
         endpoint = srv.endpoint or ""

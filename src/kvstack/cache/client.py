@@ -112,7 +112,8 @@ class ClientStats:
     """Round trips attempted (hello included)."""
     failures: dict[str, int] = field(default_factory=dict)
     """Round trips that failed, by reason: down (not sent: server considered down), timeout, unreachable,
-    error:<code> (error reply), bad_reply, reset (connection reset under it), bug."""
+    error:<code> (error reply), bad_reply, reset (connection reset under it), bug, too_large (not sent: a
+    chunk alone over the server's message size limit)."""
     chunks_hit: int = 0
     """Chunks ``get`` returned."""
     chunks_missed: int = 0
@@ -590,10 +591,22 @@ class _ClientCore:
                     at = arena.allocator.alloc(n) if arena is not None and n else None
                 cost = _CHUNK_META_BYTES + (0 if token_ids is None else 5 * len(token_ids[end]))
                 cost += n if at is None else 0
-                if end > start and used + cost > self.max_message_bytes:
+                if used + cost > self.max_message_bytes:
                     if arena is not None and at is not None and region is None:
                         arena.allocator.free(at)
-                    break
+                    if end > start:
+                        break
+                    # Alone over the server's limit: the server would drop the connection unanswered (a
+                    # timeout here, and the server taken for down), so the chunk is not sent at all.
+                    self.failed(
+                        None,
+                        Failure(
+                            "too_large",
+                            f"a {n}-byte chunk does not fit the server's {self.max_message_bytes}-byte "
+                            "messages (start it with a larger --max-message-mb, or use shared memory)",
+                        ),
+                    )
+                    return False
                 used += cost
                 if region is not None and at is not None:
                     shared = True

@@ -272,7 +272,8 @@ def _explain(header: bytes | memoryview, exc: Exception) -> ProtocolError:
     if version != PROTOCOL_VERSION:
         return ProtocolError(
             ErrorCode.VERSION,
-            f"protocol version {version!r} is not served here; this server speaks version {PROTOCOL_VERSION}",
+            f"protocol version {version!r} is not served here; this server speaks version {PROTOCOL_VERSION}"
+            + (" (an integer)" if not isinstance(version, int) else ""),
             request_id,
         )
     op = raw.get("op")
