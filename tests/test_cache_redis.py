@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import time
@@ -26,6 +27,8 @@ from redis.exceptions import ResponseError
 
 from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
+from kvstack.cache.client import AsyncCacheClient
+from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES
@@ -320,6 +323,83 @@ async def test_chunks_that_vanish_from_redis_are_reported_removed_when_found_mis
     assert await tier.contains([key(1), key(2)]) == 0 and heard.removed_keys == [key(1), key(2)]  # once
     await tier.clear()
     await tier.close()
+
+
+async def connections_received(raw: aioredis.Redis) -> int:
+    return int((await raw.info("stats"))["total_connections_received"])
+
+
+async def test_exists_of_many_keys_is_one_pipeline_on_one_connection(
+    tier: RedisTier, raw: aioredis.Redis
+) -> None:
+    store = TieredStore([MemoryTier(1 << 20), tier])
+    await store.start()
+    keys = [key(i) for i in range(3000)]
+    await tier.put_many([(keys[i], payload(i, 100)) for i in (5, 2999)])
+    before = await connections_received(raw)
+    present = await store.exists(keys)
+    assert [i for i, hit in enumerate(present) if hit] == [5, 2999]
+    assert await connections_received(raw) - before <= 1 and tier.up
+    await store.stop()
+
+
+async def test_calls_on_the_wire_at_once_are_bounded(redis_server: RedisServer, raw: aioredis.Redis) -> None:
+    tier = RedisTier(redis_server.url, prefix="bounded:", read_connections=2, max_connections=3)
+    await tier.start()
+    await tier.put_many([(key(i), payload(i, 100)) for i in range(4)])
+    before = await connections_received(raw)
+    runs = await asyncio.gather(*(tier.contains([key(i % 5) for i in range(5)]) for _ in range(60)))
+    assert runs == [4] * 60
+    assert await connections_received(raw) - before <= 3 and tier.up
+    await tier.clear()
+    await tier.close()
+    with pytest.raises(ValueError, match="read_connections"):
+        RedisTier(redis_server.url, read_connections=4, max_connections=2)
+
+
+async def test_a_value_that_cannot_be_a_record_is_no_hit_for_lookups_either(
+    tier: RedisTier, raw: aioredis.Redis
+) -> None:
+    heard = TierRecorder()
+    tier.listener = heard
+    await tier.put_many([(key(i), payload(i, 100)) for i in range(3)])
+    # Under the names of chunks 1 and 2: a list (MGET reads it as nil) and a string too short for a record.
+    await raw.delete(f"{tier.prefix}{key(1).hex()}", f"{tier.prefix}{key(2).hex()}")
+    await raw.rpush(f"{tier.prefix}{key(1).hex()}", b"not a record")
+    await raw.set(f"{tier.prefix}{key(2).hex()}", b"short")
+    assert await tier.contains([key(0), key(1)]) == 1
+    assert await tier.contains_each([key(0), key(1), key(2)]) == [True, False, False]
+    assert tier.stats().corrupt == 2 and heard.removed_keys == [key(1), key(2)]
+    assert await raw.exists(f"{tier.prefix}{key(1).hex()}", f"{tier.prefix}{key(2).hex()}") == 0
+    assert [g is not None for g in await tier.get_many([key(0), key(1)])] == [True, False]
+
+
+async def test_a_stalled_redis_costs_a_lookup_its_redis_answer_not_the_clients_deadline(
+    redis_server: RedisServer,
+) -> None:
+    remote = RedisTier(redis_server.url, prefix="stall:", retry_initial_s=0.05, retry_max_s=0.2)
+    store = TieredStore([MemoryTier(1 << 20), remote])
+    await store.start()
+    server = CacheServer(store, "tcp://127.0.0.1:0")
+    await server.start()
+    held, other = key(1), key(2)
+    assert redis_server.proc is not None
+    try:
+        async with AsyncCacheClient(server.endpoint or "") as client:  # timeout_s: the default, 1 s
+            assert await client.put([held], [payload(1)])
+            os.kill(redis_server.proc.pid, signal.SIGSTOP)
+            try:
+                # Memory holds the first chunk; Redis cannot answer about the second within the
+                # client's deadline: the answer is memory's prefix, and the server stays usable.
+                assert await client.lookup([held, other]) == 1
+                chunks = await client.get([held])
+                assert chunks is not None and [bytes(c) for c in chunks] == [payload(1)]
+                assert not remote.up and client.stats.failures == {}
+            finally:
+                os.kill(redis_server.proc.pid, signal.SIGCONT)
+    finally:
+        await server.stop()
+        await store.stop()
 
 
 # -- the tier's own RESP connections

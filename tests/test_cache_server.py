@@ -361,6 +361,43 @@ async def test_shared_tiers_publish_remote(zctx: zmq.asyncio.Context) -> None:
         sub.sock.close(linger=0)
 
 
+async def test_a_chunk_put_while_a_clear_runs_is_announced_after_the_clear(zctx: zmq.asyncio.Context) -> None:
+    gate = asyncio.Event()
+
+    class SlowToClear(DictTier):
+        async def clear(self) -> None:
+            await gate.wait()
+            await super().clear()
+
+    shared = SlowToClear()
+    async with (
+        serving([MemoryTier(1 << 20), shared], events_endpoint="tcp://127.0.0.1:0") as srv,
+        AsyncCacheClient(srv.endpoint or "") as client,
+    ):
+        sub = Events(srv, zctx)
+        await sub.subscribed(client)
+        await srv.store.flush()
+        await sub.drain()
+        tokens = list(range(300, 300 + 2 * CHUNK))
+        old, late = chunk_keys(tokens, LAYOUT, CHUNK)
+        assert await client.put([old], [b"old"], token_ids=[tokens[:CHUNK]])
+        await srv.store.flush()
+        assert len(await sub.drain()) == 2  # stored in memory and in the shared tier
+        clearing = asyncio.create_task(client.clear())
+        await asyncio.sleep(0.1)  # memory is empty, the shared tier is still being emptied
+        assert await client.put([late], [b"late"], token_ids=[tokens[CHUNK:]], parent=old)
+        gate.set()
+        assert await clearing
+        await srv.store.flush()
+        events = await sub.drain()
+        kinds = [(type(e).__name__, getattr(e, "medium", None)) for e in events]
+        assert kinds == [("AllBlocksCleared", None), ("BlockStored", "CPU")]
+        assert events[1].block_hashes == [block_hash(late)]
+        # What the router now believes is what the server holds.
+        assert await client.locate([late]) == ["memory"] and late not in shared.data and not shared.data
+        sub.sock.close(linger=0)
+
+
 async def test_lookups_are_answered_inline_unless_a_tier_needs_io() -> None:
     """Memory-only prefixes are answered without a task; one reaching an async-only tier goes through one."""
     shared = DictTier()

@@ -61,7 +61,7 @@ def test_memory_round_trip_zero_copy_read_only_views() -> None:
     assert tier.put_sync(key(4), b"") and tier.get_sync(key(4)) == b""
     stats = tier.stats()
     assert (stats.hits, stats.misses, stats.writes, stats.entries) == (3, 1, 3, 3)
-    assert stats.bytes == 3 * PAGE + PAGE  # page-rounded; the empty chunk takes no mapping
+    assert stats.bytes == 3 * PAGE + PAGE + PAGE  # page-rounded; the empty chunk counts a page too
     assert tier.delete_sync(key(1)) and not tier.delete_sync(key(1))
 
 
@@ -76,6 +76,16 @@ def test_memory_lru_evicts_least_recently_used_and_drops_oversize() -> None:
     assert tier.stats().evictions == 1
     assert not tier.put_sync(key(9), payload(9, 3 * PAGE + 1))
     assert tier.stats().write_drops == 1 and tier.stats().bytes == 3 * PAGE
+
+
+def test_memory_empty_payloads_count_a_page_each_in_the_budget() -> None:
+    tier = MemoryTier(8 * PAGE)
+    for i in range(1000):
+        assert tier.put_sync(key(i), b"")
+    stats = tier.stats()
+    assert stats.entries == 8 and stats.bytes == 8 * PAGE and stats.evictions == 992
+    got = tier.get_sync(key(999))
+    assert got is not None and got.nbytes == 0 and got.readonly
 
 
 def test_memory_pinned_entries_are_never_evicted() -> None:
@@ -572,6 +582,111 @@ async def test_store_full_write_queue_drops_and_counts_without_blocking() -> Non
     await store.flush()
     assert slow.stats().entries == 3 and await slow.contains([key(0), key(1)]) == 2
     assert store.memory.contains_sync(keys) == 10
+    await store.stop()
+
+
+class CountingTier(MemoryTier):
+    """A lower tier that counts how it is asked (a stand-in for one that needs I/O: no index)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(1 << 30, name=name)
+        self.asked: list[str] = []
+        self.clear_gate = asyncio.Event()
+        self.clear_gate.set()
+
+    def contains_now(self, keys: Sequence[bytes]) -> int | None:
+        return None
+
+    async def contains(self, keys: Sequence[bytes]) -> int:
+        self.asked.append("contains")
+        return await super().contains(keys)
+
+    async def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        self.asked.append(f"contains_each {len(keys)}")
+        return [self.contains_sync((k,)) == 1 for k in keys]
+
+    async def clear(self) -> None:
+        await self.clear_gate.wait()
+        await super().clear()
+
+
+async def test_store_exists_asks_each_tier_about_all_its_keys_at_once() -> None:
+    memory, shared = MemoryTier(1 << 20), CountingTier("shared")
+    store = TieredStore([memory, shared])
+    await store.start()
+    keys = [key(i) for i in range(500)]
+    memory.put_sync(keys[0], b"m")
+    for i in (3, 499):
+        await shared.put(keys[i], b"s")
+    present = await store.exists(keys)
+    assert [i for i, hit in enumerate(present) if hit] == [0, 3, 499]
+    # One call for the 499 keys memory lacks (a Redis tier makes it one pipeline), not one per key.
+    assert shared.asked == ["contains_each 499"]
+    await store.stop()
+
+
+async def test_store_get_reads_nothing_after_a_chunk_no_tier_holds(tmp_path: Path) -> None:
+    memory, disk = MemoryTier(1 << 20), DiskTier(tmp_path, 1 << 20)
+    store = TieredStore([memory, disk])
+    await store.start()
+    keys = [key(i) for i in range(12)]
+    for i in range(1, 12):
+        await disk.put(keys[i], payload(i, 300))
+    memory.put_sync(keys[5], payload(5, 300))
+    # Chunk 0 is nowhere (evicted between a lookup and this get): nothing after it can be served.
+    assert await store.get(keys) == []
+    assert disk.stats().hits == 0 and store.stats().promotions == 0
+    # A gap further on: the chunks before it are read, the ones after it are not.
+    await disk.put(keys[0], payload(0, 300))
+    await disk.delete(keys[8])
+    got = await store.get(keys)
+    assert [bytes(g) for g in got] == [payload(i, 300) for i in range(8)]
+    assert disk.stats().hits == 7  # 0-4, 6, 7: not 9-11; 5 came from memory
+    await store.stop()
+
+
+async def test_store_clear_keeps_puts_made_meanwhile_in_memory_and_out_of_the_lower_tiers() -> None:
+    memory, shared = MemoryTier(1 << 20), CountingTier("shared")
+    store = TieredStore([memory, shared])
+    await store.start()
+    old = [key(i) for i in range(4)]
+    store.put(old, [payload(i, 100) for i in range(4)])
+    await store.flush()
+    shared.clear_gate.clear()  # the lower tier takes its time to empty
+    emptied: list[int] = []
+    clearing = asyncio.create_task(store.clear(on_empty=lambda: emptied.append(memory.stats().entries or 0)))
+    await asyncio.sleep(0.05)
+    assert emptied == [0] and not clearing.done()
+    late = key(100)
+    assert store.put([late], [b"late"]) == 1
+    assert store.stats().queue_drops == {"shared": 1}  # the tier being emptied does not get it
+    shared.clear_gate.set()
+    await clearing
+    await store.flush()
+    assert await store.lookup([late]) == (1, ["memory"])
+    assert await shared.contains_each([late, *old]) == [False] * 5
+    assert await store.lookup(old) == (0, [])
+    # After the clear, puts reach the lower tiers again.
+    store.put([key(101)], [b"after"])
+    await store.flush()
+    assert await shared.contains([key(101)]) == 1
+    await store.stop()
+
+
+async def test_store_clear_lets_writes_in_flight_land_first_then_removes_them() -> None:
+    memory, slow = MemoryTier(1 << 20), GatedTier("slow")
+    store = TieredStore([memory, slow], write_batch=2)
+    await store.start()
+    keys = [key(i) for i in range(6)]
+    store.put(keys, [payload(i, 100) for i in range(6)])
+    await asyncio.sleep(0)  # the writer holds a batch of 2 at the gate; 4 are queued
+    clearing = asyncio.create_task(store.clear())
+    await asyncio.sleep(0.05)
+    assert not clearing.done() and store.stats().queued == {"slow": 0}
+    slow.gate.set()  # the batch in flight lands, then the tier is emptied
+    await clearing
+    assert slow.stats().writes == 2 and slow.stats().entries == 0
+    assert await store.lookup(keys) == (0, [])
     await store.stop()
 
 

@@ -392,9 +392,9 @@ class CacheServer:
                 removed = await self.store.delete(self._keys(request.keys, rid))
                 return EvictReply(id=rid, removed=removed), []
             case Clear():
-                await self.store.clear()
-                if self.events is not None:
-                    self.events.cleared()
+                # The clear is announced as soon as memory is empty: a chunk stored while the lower
+                # tiers are being emptied is announced after it (and kept: see TieredStore.clear).
+                await self.store.clear(on_empty=None if self.events is None else self.events.cleared)
                 return ClearReply(id=rid), []
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
 

@@ -7,7 +7,9 @@
   awaiting when every tier it asks can (memory, the disk index), else None.
 - ``get(keys)``: the payloads of the longest consecutive prefix that could be read and verified (it can be
   shorter than ``lookup`` said, when an entry was evicted or found corrupt meanwhile). A chunk read from a
-  lower tier is promoted: copied into memory.
+  lower tier is promoted: copied into memory. Chunks after one that no tier holds (as far as the tiers with
+  an index, memory and disk, can tell without I/O) are not read from the lower tiers: they could not be
+  served.
 - ``put(keys, payloads)``: stores into memory at once (one copy) and queues each chunk for every lower tier;
   never blocks and never awaits. Each lower tier has a bounded queue (``write_queue_size`` chunks) drained by
   its own writer task in batches of up to ``write_batch``; when a queue is full the write is dropped and
@@ -15,9 +17,16 @@
   no extra memory, and if memory evicts it first its pages stay held (and counted in the memory budget)
   until the writer is done; a chunk memory refused (too big, everything pinned) is queued as a private copy.
 
-``exists(keys)`` tells per key whether any tier holds it; ``delete(keys)`` removes keys from every tier;
-``clear()`` empties every tier and drops the queued writes. A write still queued for a lower tier when its
-key is deleted lands afterwards (the queue is not searched).
+``exists(keys)`` tells per key whether any tier holds it (each tier asked about all the keys it may hold at
+once: one Redis pipeline, not a call per key); ``delete(keys)`` removes keys from every tier. A write still
+queued for a lower tier when its key is deleted lands afterwards (the queue is not searched).
+
+``clear()`` drops the queued writes, waits for the writes the lower tiers are already doing, empties memory,
+then each lower tier. Puts made while it runs are kept in memory only: their lower-tier writes are dropped
+(counted in ``queue_drops``), so no tier is written while it is being emptied, and a chunk a put stored
+during a clear is never wiped by that clear after it was reported stored. ``clear(on_empty)`` calls
+``on_empty`` right after memory is emptied, with nothing awaited in between (the cache server announces
+the clear there: every chunk stored after that point is announced after the clear).
 
 ``start`` starts the tiers and the writers; ``stop`` lets the queues drain for up to ``drain_timeout_s``,
 cancels the writers and closes the tiers. The first tier must be a `MemoryTier`.
@@ -27,7 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstack.cache.keys import ChunkKey
@@ -48,7 +57,7 @@ class StoreStats:
     queued: dict[str, int]
     """Writes waiting in each lower tier's queue."""
     queue_drops: dict[str, int]
-    """Writes dropped because that tier's queue was full."""
+    """Writes dropped because that tier's queue was full or a clear was running."""
     promotions: int
     """Chunks copied into memory after a lower-tier hit."""
 
@@ -75,6 +84,7 @@ class TieredStore:
         self._queue_drops = dict.fromkeys(self._queues, 0)
         self._writers: list[asyncio.Task[None]] = []
         self._promotions = 0
+        self._clearing = 0  # clears running: puts do not reach the lower tiers meanwhile
 
     # -- lifecycle
 
@@ -144,8 +154,10 @@ class TieredStore:
         """The payloads of the longest consecutive prefix of ``keys`` that every tier together can serve."""
         found: list[Payload | None] = list(await self.memory.get_many(keys))
         from_lower: list[int] = []
-        for tier in self.tiers[1:]:
-            missing = [i for i, payload in enumerate(found) if payload is None]
+        end = len(keys)  # chunks from here on come after a gap: not read
+        for n, tier in enumerate(self.tiers[1:], 1):
+            end = _first_gap(keys, found, end, self.tiers[n:])
+            missing = [i for i in range(end) if found[i] is None]
             if not missing:
                 break
             got = await tier.get_many([keys[i] for i in missing])
@@ -170,9 +182,9 @@ class TieredStore:
             missing = [i for i, hit in enumerate(found) if not hit]
             if not missing:
                 break
-            runs = await asyncio.gather(*(tier.contains((keys[i],)) for i in missing))
-            for i, run in zip(missing, runs, strict=True):
-                found[i] = run > 0
+            present = await tier.contains_each([keys[i] for i in missing])
+            for i, hit in zip(missing, present, strict=True):
+                found[i] = hit
         return found
 
     # -- writes
@@ -186,6 +198,10 @@ class TieredStore:
             stored = self.memory.put_sync(key, data)
             kept += stored
             if not self._queues:
+                continue
+            if self._clearing:  # a lower tier being emptied takes no new chunk (see the module docstring)
+                for name in self._queue_drops:
+                    self._queue_drops[name] += 1
                 continue
             # Lower tiers write later: they need bytes the caller cannot change meanwhile.
             view = self.memory.peek(key) if stored else None
@@ -207,14 +223,23 @@ class TieredStore:
             removed += held
         return removed
 
-    async def clear(self) -> None:
-        """Drop the queued writes and empty every tier."""
-        for queue in self._queues.values():
-            while not queue.empty():
-                queue.get_nowait()
-                queue.task_done()
-        for tier in self.tiers:
-            await tier.clear()
+    async def clear(self, on_empty: Callable[[], None] | None = None) -> None:
+        """Drop the queued writes and empty every tier; ``on_empty`` runs once memory is empty (see the
+        module docstring)."""
+        self._clearing += 1
+        try:
+            for queue in self._queues.values():
+                while not queue.empty():
+                    queue.get_nowait()
+                    queue.task_done()
+            await self.flush()  # the batches the writers hold land first, then go with the rest
+            self.memory.clear_sync()
+            if on_empty is not None:
+                on_empty()
+            for tier in self.tiers[1:]:
+                await tier.clear()
+        finally:
+            self._clearing -= 1
 
     def stats(self) -> StoreStats:
         return StoreStats(
@@ -236,3 +261,12 @@ class TieredStore:
             finally:
                 for _ in batch:
                     queue.task_done()
+
+
+def _first_gap(keys: Sequence[bytes], found: list[Payload | None], end: int, tiers: Sequence[Tier]) -> int:
+    """The first chunk before ``end`` not found yet that none of ``tiers`` holds, as far as their indexes
+    tell without I/O (a tier without one may hold anything); ``end`` when there is none."""
+    for i in range(end):
+        if found[i] is None and all(tier.contains_now((keys[i],)) == 0 for tier in tiers):
+            return i
+    return end

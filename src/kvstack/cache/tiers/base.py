@@ -131,6 +131,16 @@ class Tier(ABC):
         `contains`). Memory and the disk index answer from process memory; Redis cannot."""
         return None
 
+    async def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each of ``keys`` is present, gaps or not (no payload is read). The default asks
+        `contains_now`, else `contains`, key by key, one after another; a tier that can ask about many keys
+        in one round trip (Redis: one pipeline) overrides it."""
+        present = []
+        for key in keys:
+            run = self.contains_now((key,))
+            present.append((await self.contains((key,)) if run is None else run) > 0)
+        return present
+
     @abstractmethod
     async def get(self, key: ChunkKey) -> Payload | None:
         """The verified payload of ``key``, or None."""

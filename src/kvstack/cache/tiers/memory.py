@@ -1,8 +1,10 @@
 """The memory tier: chunk payloads in process memory under a byte budget, LRU, with pinning.
 
 Storage: one anonymous private mapping (``mmap``, pre-faulted) per entry, sized to the payload rounded up to
-whole pages. Freeing an entry unmaps it, so its pages go straight back to the OS: there is no allocator heap
-in between to fragment, and the process's memory for this tier is exactly the sum of its mappings.
+whole pages (an empty payload too gets a page: every entry counts in the budget, so no number of them can
+grow the process outside it). Freeing an entry unmaps it, so its pages go straight back to the OS: there is
+no allocator heap in between to fragment, and the process's memory for this tier is exactly the sum of its
+mappings.
 
 Budget: ``capacity_bytes`` bounds the page-rounded size of every mapping the tier holds, including evicted
 or deleted entries that a reader still sees through a view (see below). It is never exceeded: a put that
@@ -57,7 +59,7 @@ class _Entry:
     __slots__ = ("buf", "capacity", "pins", "size")
 
     def __init__(self, buf: mmap.mmap | None, size: int) -> None:
-        self.buf = buf  # None for an empty payload
+        self.buf = buf  # None once the mapping is unmapped or taken for reuse
         self.capacity = 0 if buf is None else len(buf)
         self.size = size
         self.pins = 0
@@ -132,7 +134,7 @@ class MemoryTier(Tier):
         """Store a copy of ``data`` (replacing ``key``'s entry); False when it cannot fit in the budget."""
         src = byte_view(data)
         size = src.nbytes
-        capacity = _round_to_pages(size)
+        capacity = _round_to_pages(max(size, 1))
         if capacity > self.capacity_bytes:
             self._stats.write_drops += 1
             return False
@@ -152,7 +154,7 @@ class MemoryTier(Tier):
             buf = self._retire(self._entries.pop(victim), reuse_capacity=capacity)
         if old is not None:  # reported as removed if the new payload is dropped below
             victims.append(key)
-        if buf is None and capacity:
+        if buf is None:
             if self._used + capacity > self.capacity_bytes:
                 self._stats.write_drops += 1
                 self._report_removed(victims)
@@ -169,8 +171,7 @@ class MemoryTier(Tier):
         if old is not None:
             victims.pop()
         self._report_removed(victims)
-        if buf is not None:
-            memoryview(buf)[:size] = src
+        memoryview(buf)[:size] = src
         self._entries[key] = _Entry(buf, size)
         self._stats.writes += 1
         if self.listener is not None:

@@ -5,16 +5,22 @@ and ``clear`` removes only this tier's keys. Values: one `record` (64-byte heade
 length, key and xxh3_128 of the payload, then the payload), written with ``SET .. PX ttl`` (``ttl_s`` None:
 no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case).
 
-- ``get_many`` is one ``MGET``, ``put_many`` one pipeline of ``SET`` s and ``contains`` one pipeline of
-  ``EXISTS``, all through the tier's own `RespConnection` s (``kvstack.cache.tiers.resp``: each value is
-  received straight into a reused buffer, one copy instead of redis-py's five; idle connections are kept,
-  at most ``read_connections``), or through redis-py's connections for ``rediss://`` URLs. ``delete``,
+- ``get_many`` is one ``MGET``, ``put_many`` one pipeline of ``SET`` s and ``contains`` /
+  ``contains_each`` one pipeline of ``STRLEN`` s, all through the tier's own `RespConnection` s
+  (``kvstack.cache.tiers.resp``: each value is received straight into a reused buffer, one copy instead of
+  redis-py's five; idle connections are kept, at most ``read_connections``), or through redis-py's
+  connections for ``rediss://`` URLs. At most ``max_connections`` calls are on the wire at once (more wait
+  for a turn), so no burst of requests can use up the server's ``maxclients``. ``STRLEN`` rather than
+  ``EXISTS``: a value of another type under a chunk's name (which ``MGET`` reads as nil) or one too short
+  to be a record is found by a lookup too, deleted and counted corrupt, so lookups and gets agree. ``delete``,
   ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py no longer reads the
   values). The ``SET`` s (no transaction) are framed
   here in RESP, each record's header and payload as separate buffers of one bulk string: the payload is not
   copied into a joined value, as redis-py's ``pipe.set`` would need (one buffer per value). A value that
   fails verification is deleted (``DEL``), counted in ``corrupt`` and a miss.
-- Connection loss or a timeout (``socket_timeout_s``) marks the tier down: from then on reads are misses and
+- Connection loss or a timeout (``socket_timeout_s``, default 0.5 s: below the cache clients' default of
+  1 s, so a stalled Redis costs a lookup its Redis answer, not the client's whole request) marks the tier
+  down: from then on reads are misses and
   writes are dropped, without touching the network, counted, never raised. A background task drops the
   client's connections and ``PING``s with exponential backoff (``retry_initial_s`` doubling up to
   ``retry_max_s``) and marks the tier up again on the first answer. redis-py's own retries are off, so a
@@ -46,7 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
 from kvstack.cache.tiers.buffers import BufferPool
-from kvstack.cache.tiers.record import CorruptRecord, pack_header, payload_of
+from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
 
 __all__ = ["RedisTier"]
@@ -63,6 +69,10 @@ class _Failed(enum.Enum):
     CALL = 0
 
 
+class _WentDown(Exception):
+    """The tier was marked down while a call waited for its turn on the wire: the call is not made."""
+
+
 _FAILED = _Failed.CALL
 _STREAM_WRITE_BYTES = 256 * 1024
 
@@ -76,16 +86,21 @@ class RedisTier(Tier):
         *,
         prefix: str = "kvstack:kv:",
         ttl_s: float | None = 3600.0,
-        socket_timeout_s: float = 2.0,
+        socket_timeout_s: float = 0.5,
         connect_timeout_s: float = 1.0,
         retry_initial_s: float = 0.05,
         retry_max_s: float = 2.0,
         read_connections: int = 8,
+        max_connections: int = 32,
         max_announced: int = 65_536,
         name: str = "redis",
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None (no expiry), got {ttl_s}")
+        if not 1 <= read_connections <= max_connections:
+            raise ValueError(
+                f"need 1 <= read_connections <= max_connections, got {read_connections}, {max_connections}"
+            )
         if not 0 < retry_initial_s <= retry_max_s:
             raise ValueError(f"need 0 < retry_initial_s <= retry_max_s, got {retry_initial_s}, {retry_max_s}")
         self.name = name
@@ -104,6 +119,7 @@ class RedisTier(Tier):
         self._announced = Announcements(self, max_announced)
         self._max_readers = read_connections
         self._in_flight = 0  # calls of the get/put path waiting for their replies
+        self._turns = asyncio.Semaphore(max_connections)  # calls on the wire at once
         self._link = Reconnector(
             f"redis tier {self.name}: {url}", self._probe, retry_initial_s, retry_max_s, log
         )
@@ -143,19 +159,15 @@ class RedisTier(Tier):
     # -- Tier interface
 
     async def contains(self, keys: Sequence[bytes]) -> int:
-        if not keys:
-            return 0
-        commands = [pack_command(b"EXISTS", self._key(key)) for key in keys]
-        found = await self._guard(lambda client: self._pipeline(client, commands, len(keys)))
-        if found is _FAILED:
-            return 0
-        self._announced.missing([key for key, present in zip(keys, found, strict=True) if present == 0])
         n = 0
-        for present in found:
-            if present != 1:
+        for present in await self._present(keys):
+            if not present:
                 break
             n += 1
         return n
+
+    async def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        return await self._present(keys)
 
     async def get(self, key: ChunkKey) -> Payload | None:
         return (await self.get_many([key]))[0]
@@ -254,6 +266,41 @@ class RedisTier(Tier):
     def _key(self, key: bytes) -> bytes:
         return self._prefix + key.hex().encode()
 
+    async def _present(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key names a value long enough to be a record (one pipeline of ``STRLEN``); values
+        that cannot be records (another type, too short) are deleted and counted corrupt."""
+        if not keys:
+            return []
+        commands = [pack_command(b"STRLEN", self._key(key)) for key in keys]
+        lengths = await self._guard(lambda client: self._pipeline(client, commands, len(keys)))
+        if lengths is _FAILED:
+            return [False] * len(keys)
+        present: list[bool] = []
+        missing: list[bytes] = []
+        corrupt: list[bytes] = []
+        for key, length in zip(keys, lengths, strict=True):
+            present.append(isinstance(length, int) and length >= HEADER_BYTES)
+            if length == 0:
+                missing.append(key)
+            elif isinstance(length, ResponseError) and not str(length).startswith("WRONGTYPE"):
+                self._stats.errors += 1  # not about this value (e.g. an ACL refusal): no verdict on it
+                log.warning("redis tier %s: STRLEN failed: %s", self.name, length)
+            elif not present[-1]:
+                corrupt.append(key)
+        self._announced.missing(missing)
+        if corrupt:
+            self._stats.corrupt += len(corrupt)
+            names = [self._key(key) for key in corrupt]
+            log.warning(
+                "redis tier %s: deleting %d values that are not records, e.g. %r",
+                self.name,
+                len(names),
+                names[0],
+            )
+            self._announced.removed([ChunkKey(key) for key in corrupt])
+            await self._guard(lambda client: client.delete(*names))
+        return present
+
     async def _mget(
         self, client: aioredis.Redis, names: list[bytes]
     ) -> Sequence[bytes | bytearray | memoryview | None]:
@@ -277,8 +324,16 @@ class RedisTier(Tier):
         ``stream``: when no other call is in flight, write every 256 KiB as ``commands`` frames them, so
         Redis stores the first values while the rest are checksummed; with other calls in flight Redis
         is busy anyway, and the extra writes and reply packets only cost CPU (see `RespConnection.send`)."""
-        if self._address is None:
-            return await _redis_py_pipeline(client, [frame for frames in commands for frame in frames], n)
+        async with self._turns:
+            if not self._link.up:
+                raise _WentDown
+            if self._address is None:
+                return await _redis_py_pipeline(client, [frame for frames in commands for frame in frames], n)
+            return await self._send(commands, n, stream)
+
+    async def _send(
+        self, commands: Iterable[Sequence[bytes | memoryview]], n: int, stream: bool
+    ) -> list[Any]:
         conn = self._readers.pop() if self._readers else await self._open_reader()
         write_every = _STREAM_WRITE_BYTES if stream and self._in_flight == 0 else None
         self._in_flight += 1
@@ -325,6 +380,8 @@ class RedisTier(Tier):
             return _FAILED
         try:
             return await call(self._client)
+        except _WentDown:
+            pass
         except _UNREACHABLE as e:
             self._mark_down(e)
         except RedisError as e:

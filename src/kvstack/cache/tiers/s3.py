@@ -9,10 +9,10 @@ list) and ``s3:GetObject``/``s3:PutObject``/``s3:DeleteObject`` under the prefix
 tier does not create it.
 
 - ``contains`` is a HEAD per key, ``concurrency`` at a time, in windows of ``concurrency`` consecutive keys;
-  it stops after the first window with a miss, so a prompt S3 does not hold costs one window of HEADs. Why
-  HEADs: keys are hashes, so a listing cannot answer "how long a consecutive prefix" without listing
-  everything, and a local memo of what the bucket holds would go stale (lifecycle expiry, other servers'
-  deletes).
+  it stops after the first window with a miss, so a prompt S3 does not hold costs one window of HEADs
+  (``contains_each`` goes on through every window). Why HEADs: keys are hashes, so a listing cannot answer
+  "how long a consecutive prefix" without listing everything, and a local memo of what the bucket holds
+  would go stale (lifecycle expiry, other servers' deletes).
 - ``get_many`` and ``put_many`` are one GET / PUT per chunk, at most ``concurrency`` requests in flight for
   the whole tier (also the size of the HTTP connection pool). A PUT's body is the header and payload joined
   (one copy: botocore takes no buffer list). botocore's own CRC checksums are off (``when_required``): the
@@ -204,16 +204,25 @@ class S3Tier(Tier):
     async def contains(self, keys: Sequence[bytes]) -> int:
         n = 0
         for start in range(0, len(keys), self._concurrency):
-            window = keys[start : start + self._concurrency]
-            found = await asyncio.gather(*(self._head(key) for key in window))
-            self._announced.missing(
-                [key for key, present in zip(window, found, strict=True) if present is _MISSING]
-            )
-            for present in found:
-                if present is not True:
+            for present in await self._heads(keys[start : start + self._concurrency]):
+                if not present:
                     return n
                 n += 1
         return n
+
+    async def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        present: list[bool] = []
+        for start in range(0, len(keys), self._concurrency):
+            present += await self._heads(keys[start : start + self._concurrency])
+        return present
+
+    async def _heads(self, window: Sequence[bytes]) -> list[bool]:
+        """One HEAD per key of ``window``, all at once: whether each key is present."""
+        found = await asyncio.gather(*(self._head(key) for key in window))
+        self._announced.missing(
+            [key for key, present in zip(window, found, strict=True) if present is _MISSING]
+        )
+        return [present is True for present in found]
 
     async def get(self, key: ChunkKey) -> Payload | None:
         return (await self.get_many([key]))[0]
