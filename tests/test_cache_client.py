@@ -563,3 +563,5 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     assert (
         main(["cache-server", "--bind", "tcp://127.0.0.1:0", "--secret-file", str(tmp_path / "missing")]) == 2
     )
+    assert main(["cache-server", "--redis-url", "redis://127.0.0.1:1/0", "--redis-timeout-s", "0"]) == 2
+    assert "timeouts must be > 0" in capsys.readouterr().err

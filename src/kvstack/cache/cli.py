@@ -55,6 +55,12 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     )
     g.add_argument("--redis-prefix", default="kvstack:kv:")
     g.add_argument("--redis-ttl-s", type=float, default=3600.0, help="0: no expiry")
+    g.add_argument(
+        "--redis-timeout-s",
+        type=float,
+        default=0.5,
+        help="a Redis call taking longer marks the tier down (keep it below the clients' timeout, 1 s)",
+    )
     g.add_argument("--s3-bucket", help="S3 tier in this (existing) bucket, after Redis (off when not given)")
     g.add_argument("--s3-prefix", default="kvstack/kv/", help="object key prefix of the S3 tier")
     g.add_argument(
@@ -87,7 +93,11 @@ def _tiers(args: argparse.Namespace) -> list[Tier]:
         from kvstack.cache.tiers.redis import RedisTier  # imports redis-py only when used
 
         ttl = args.redis_ttl_s if args.redis_ttl_s > 0 else None
-        tiers.append(RedisTier(args.redis_url, prefix=args.redis_prefix, ttl_s=ttl))
+        tiers.append(
+            RedisTier(
+                args.redis_url, prefix=args.redis_prefix, ttl_s=ttl, socket_timeout_s=args.redis_timeout_s
+            )
+        )
     if args.s3_bucket:
         try:
             from kvstack.cache.tiers.s3 import S3Tier  # imports aiobotocore only when used

@@ -97,6 +97,8 @@ class RedisTier(Tier):
     ) -> None:
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"ttl_s must be > 0 or None (no expiry), got {ttl_s}")
+        if socket_timeout_s <= 0 or connect_timeout_s <= 0:
+            raise ValueError(f"timeouts must be > 0, got {socket_timeout_s}, {connect_timeout_s}")
         if not 1 <= read_connections <= max_connections:
             raise ValueError(
                 f"need 1 <= read_connections <= max_connections, got {read_connections}, {max_connections}"
