@@ -45,7 +45,16 @@ as a miss. A hit also bumps the file's mtime, which is the LRU order a restart r
 Start: the directory is scanned (in the tier's threads) to rebuild the index: temp files are deleted, ``.kv``
 files whose name, header or note footer is invalid are deleted, the rest are indexed oldest mtime first;
 then the budget is enforced. ``capacity_bytes`` bounds the sum of file sizes (header and note included),
-counting writes in flight; eviction deletes least recently used files first.
+counting writes in flight and the file a rewrite replaces (until the rename); eviction deletes least recently
+used files first.
+
+Full disk (a write fails with ``ENOSPC`` or ``EDQUOT``: a budget larger than the file system, or a disk shared
+with other data): that write is dropped and the tier lowers its limit (``limit_bytes``) to the bytes it holds
+at that moment, so each later write evicts the oldest chunks to make room instead of failing too. While
+limited, a put with no other write in flight re-checks the free space (``statvfs``, at most every 2 s) and
+sets the limit to what the tier's files take plus what is free, never above ``capacity_bytes``: space freed
+by others is used again. (A quota is not visible to ``statvfs``: an exhausted one costs one dropped write
+per re-check.) Failed writes are logged at most once per 10 s per errno, with how many were not.
 
 All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
 threads) in ``close``; a ``get_many``/``put_many`` batch is cut into at most ``io_threads`` jobs of at least 1
@@ -66,6 +75,7 @@ import mmap
 import os
 import re
 import struct
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -78,6 +88,7 @@ from typing import Any, Literal, TypeVar, cast
 import xxhash
 
 from kvstack.cache.keys import ChunkKey
+from kvstack.cache.protocol import ThrottledLog
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
 from kvstack.cache.tiers.record import (
     HEADER_BYTES,
@@ -103,6 +114,9 @@ _ANNOUNCE_BATCH = 256
 _MIN_JOB_BYTES = 1 << 20
 _WRITE_PIECE = 1 << 20  # fits the L2 cache with room to spare
 _READ_AHEAD = 16  # files of a read job opened and hinted together (bounds the descriptors a job holds)
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+_ROOM_RECHECK_S = 2.0  # while limited by a full file system: how often a put re-checks its free space
+_WARN_EVERY_S = 10.0  # at most one warning per errno for failed writes
 _T = TypeVar("_T")
 
 
@@ -135,7 +149,7 @@ class _PendingWrite:
     payload: memoryview
     note: bytes | None
     file_bytes: int
-    replaced: bool
+    replaced_bytes: int  # the indexed file it replaces (0: none), on the disk until the rename
     doomed: list[ChunkKey]
 
 
@@ -166,8 +180,16 @@ class DiskTier(Tier):
         self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # LRU first
         self._used = 0  # file bytes indexed
         self._reserved = 0  # file bytes of writes in flight
+        self._limit = capacity_bytes  # lower while the file system is full
+        self._recheck_at = 0.0  # monotonic time of the next free-space check while limited
         self._tmp_seq = itertools.count()
         self._stats = TierStats(capacity_bytes=capacity_bytes)
+        self._write_warnings: dict[int | None, ThrottledLog] = {}  # by errno
+
+    @property
+    def limit_bytes(self) -> int:
+        """The budget in effect: ``capacity_bytes``, or less while the file system is full."""
+        return self._limit
 
     # -- lifecycle
 
@@ -261,19 +283,23 @@ class DiskTier(Tier):
 
     def _accept(self, key: ChunkKey, data: Payload) -> _PendingWrite | None:
         """Reserve room for one put (evicting from the index), or count it dropped and return None."""
+        if self._limit < self.capacity_bytes and not self._reserved and time.monotonic() >= self._recheck_at:
+            self._recheck_room()
         payload = byte_view(data)
         note = None if self.listener is None else self.listener.annotation(key)
         file_bytes = HEADER_BYTES + payload.nbytes + (0 if note is None else len(note) + _NOTE_FOOTER.size)
-        if self._reserved + file_bytes > self.capacity_bytes:  # too big, or writes in flight hold the room
+        # Too big, or writes in flight hold the room, or the file system is full and nothing is left to evict.
+        if self._reserved + file_bytes > self._limit:
             self._stats.write_drops += 1
             return None
-        replaced = key in self._index
-        self._forget(key)  # replaced below; its bytes are free for the new file
-        doomed = self._evict_for(file_bytes)
-        self._reserved += file_bytes
+        old = self._index.get(key)
+        replaced_bytes = 0 if old is None else old.size
+        self._forget(key)  # replaced below; its file is reserved with the new one until the rename
+        doomed = self._evict_for(file_bytes + replaced_bytes)
+        self._reserved += file_bytes + replaced_bytes
         if doomed and self.listener is not None:
             self.listener.removed(self, doomed)
-        return _PendingWrite(key, payload, note, file_bytes, replaced, doomed)
+        return _PendingWrite(key, payload, note, file_bytes, replaced_bytes, doomed)
 
     def _settle_batch(self, writes: Sequence[_PendingWrite], results: list[_Write] | None) -> None:
         """Index (or count as dropped) each finished write; None: the whole job failed unexpectedly."""
@@ -282,13 +308,15 @@ class DiskTier(Tier):
 
     def _settle(self, write: _PendingWrite, result: _Write | None) -> None:
         key = write.key
-        self._reserved -= write.file_bytes
+        self._reserved -= write.file_bytes + write.replaced_bytes
         if result is None or result.error is not None:
             self._stats.errors += 1
             self._stats.write_drops += 1
-            error = "unexpected failure" if result is None else result.error
-            log.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), error)
-            if write.replaced and key not in self._index and self.listener is not None:
+            error = None if result is None else result.error
+            if error is not None and error.errno in _FULL:
+                self._file_system_full()
+            self._warn_failed_write(key, error)
+            if write.replaced_bytes and key not in self._index and self.listener is not None:
                 self.listener.removed(self, (key,))
             return
         self._forget(key)  # a concurrent put of the same key may have finished first
@@ -316,12 +344,18 @@ class DiskTier(Tier):
         return announced
 
     async def delete(self, key: ChunkKey) -> bool:
-        if key not in self._index:
+        """Remove ``key``; False when it was not indexed, or its file could not be deleted (then it stays
+        indexed, as it stays on the disk and would come back with a restart)."""
+        file = self._index.get(key)
+        if file is None:
             return False
-        self._forget(key)
-        if self.listener is not None:
-            self.listener.removed(self, (key,))
-        await self._run(lambda: self._unlink_all([key]))
+        if not await self._run(partial(self._unlink, self._path(key))):
+            self._stats.errors += 1
+            return False
+        if self._index.get(key) is file:  # not evicted, failed or rewritten meanwhile
+            self._forget(key)
+            if self.listener is not None:
+                self.listener.removed(self, (key,))
         return True
 
     async def clear(self) -> None:
@@ -346,12 +380,53 @@ class DiskTier(Tier):
         """Drop LRU entries from the index until ``file_bytes`` more fit (or the index is empty); returns the
         keys whose files to delete."""
         doomed: list[ChunkKey] = []
-        while self._index and self._used + self._reserved + file_bytes > self.capacity_bytes:
+        while self._index and self._used + self._reserved + file_bytes > self._limit:
             key, file = self._index.popitem(last=False)
             self._used -= file.size
             doomed.append(key)
         self._stats.evictions += len(doomed)
         return doomed
+
+    def _file_system_full(self) -> None:
+        """A write found the file system full. It held what the tier holds now, so that is the limit from
+        here on (the oldest chunks make room for new ones) until `_recheck_room` finds free space."""
+        self._limit = min(self._limit, self._used + self._reserved)
+        self._recheck_at = time.monotonic() + _ROOM_RECHECK_S
+        log.debug("disk tier %s: file system full: limit %d bytes", self.name, self._limit)
+
+    def _warn_failed_write(self, key: ChunkKey, error: OSError | None) -> None:
+        """At most one warning per ``_WARN_EVERY_S`` per errno, with how many were not logged."""
+        kind = None if error is None else error.errno
+        warnings = self._write_warnings.get(kind)
+        if warnings is None:
+            warnings = self._write_warnings[kind] = ThrottledLog(log, _WARN_EVERY_S)
+        why = "unexpected failure" if error is None else str(error)
+        if kind in _FULL:
+            why += (
+                f"; keeping to the {self._limit} bytes it holds (budget {self.capacity_bytes}), evicting"
+                f" the oldest chunks for new ones, until {self.root} has free space again (checked every"
+                f" {_ROOM_RECHECK_S:g}s)"
+            )
+        warnings.warning("disk tier %s: cannot write chunk %s: %s", self.name, key.hex(), why)
+
+    def _recheck_room(self) -> None:
+        """While limited, with no write in flight (so no file half written or evicted but not yet deleted):
+        the limit becomes what the tier's files take plus what the file system has free."""
+        self._recheck_at = time.monotonic() + _ROOM_RECHECK_S
+        try:
+            free = _free_bytes(self._root)
+        except OSError as e:
+            log.debug("disk tier %s: cannot check free space: %s", self.name, e)
+            return
+        self._limit = min(self.capacity_bytes, self._used + free)
+        log.debug("disk tier %s: %d bytes free: limit %d bytes", self.name, free, self._limit)
+        if self._limit == self.capacity_bytes:
+            log.info(
+                "disk tier %s: %s has room again: back to the full %d-byte budget",
+                self.name,
+                self.root,
+                self._limit,
+            )
 
     def _jobs(self, nbytes: int) -> int:
         """How many jobs to cut a batch of ``nbytes`` into: at most ``io_threads``, each of at least
@@ -501,13 +576,16 @@ class DiskTier(Tier):
             self._unlink(self._path(key))
 
     @staticmethod
-    def _unlink(path: str | Path) -> None:
+    def _unlink(path: str | Path) -> bool:
+        """Delete ``path``; False (logged) when it is still there."""
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as e:
             log.warning("cannot delete %s: %s", path, e)
+            return False
+        return True
 
     def _shard_dirs(self) -> list[Path]:
         return _subdirs(self.root)
@@ -562,6 +640,14 @@ def _subdirs(path: Path) -> list[Path]:
             return [Path(e.path) for e in it if len(e.name) == 2 and e.is_dir(follow_symlinks=False)]
     except FileNotFoundError:
         return []
+
+
+def _free_bytes(path: str) -> int:
+    """Bytes an unprivileged writer can still add to ``path``'s file system (0 when it is out of inodes)."""
+    st = os.statvfs(path)
+    if st.f_files and not st.f_favail:  # some file systems (btrfs) report no inode counts at all
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _read_header(fd: int, key: ChunkKey, *, read_note: bool = True) -> tuple[bytes, int, int, bytes | None]:
