@@ -121,19 +121,19 @@ async def test_chunked_request_body_and_expect_continue(echo: Served) -> None:
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
-        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\n\r\n", 414),
-        (b"GET / HTTP/1.1\r\n" + b"X-Big: " + b"v" * 70000 + b"\r\n\r\n", 431),
-        (b"GET / HTTP/1.1\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(200)) + b"\r\n", 431),
-        (b"POST / HTTP/1.1\r\nContent-Length: 2000000\r\n\r\n", 413),
+        (b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"X-Big: " + b"v" * 70000 + b"\r\n\r\n", 431),
+        (b"GET / HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: v\r\n" % i for i in range(200)) + b"\r\n", 431),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n", 413),
         (
-            b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"POST / HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
             + b"100000\r\n"
             + b"z" * 0x100000
             + b"\r\n10\r\n",
             413,
         ),
         (b"NOT HTTP AT ALL\r\n\r\n", 400),
-        (b"POST / HTTP/1.1\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400),
+        (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd", 400),
     ],
     ids=[
         "url-414",
@@ -164,12 +164,12 @@ async def test_receive_and_keep_alive_timeouts() -> None:
     served = await _serve(handler, receive_timeout=0.3, keep_alive_timeout=0.3)
     try:
         reader, writer = await served.open()
-        writer.write(b"POST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nabc")  # and never the rest
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # and never the rest
         status, _, raw = await _read_response(reader)
         assert status == 408 and json.loads(raw)["error"]["code"] == 408
         writer.close()
         reader, writer = await served.open()
-        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await _read_response(reader))[2] == b"ok"
         assert await asyncio.wait_for(reader.read(), 10) == b""  # the idle connection is closed
         assert served.server.connections == 0
@@ -189,12 +189,12 @@ async def test_streams_chunked_close_delimited_for_http10_and_head_has_no_body()
     served = await _serve(handler)
     try:
         reader, writer = await served.open()
-        writer.write(b"GET / HTTP/1.1\r\n\r\nGET / HTTP/1.1\r\n\r\n")
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\nGET / HTTP/1.1\r\nHost: x\r\n\r\n")
         for _ in range(2):  # still keep-alive after a chunked stream
             status, headers, body = await _read_response(reader)
             assert headers["transfer-encoding"] == "chunked"
             assert body == b"data: 0\n\ndata: 1\n\ndata: 2\n\n"
-        writer.write(b"HEAD / HTTP/1.1\r\n\r\n")
+        writer.write(b"HEAD / HTTP/1.1\r\nHost: x\r\n\r\n")
         head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
         assert head.startswith(b"HTTP/1.1 200")
         writer.write(b"GET / HTTP/1.0\r\n\r\n")
@@ -221,7 +221,7 @@ async def test_client_disconnect_cancels_the_handler() -> None:
     served = await _serve(handler)
     try:
         _, writer = await served.open()
-        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.wait_for(started.wait(), 10)
         writer.close()
         await asyncio.wait_for(cancelled.wait(), 10)
@@ -250,7 +250,7 @@ async def test_writes_wait_for_a_slow_client_and_fail_once_it_left() -> None:
     served = await _serve(handler)
     try:
         reader, writer = await served.open()
-        writer.write(b"GET / HTTP/1.1\r\n\r\n")
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.sleep(1.0)  # the client reads nothing meanwhile
         assert 0 < progress[0] < total // 4, progress  # held back by the socket buffers, not buffered
         await reader.readexactly(4 * len(piece))
@@ -291,7 +291,7 @@ async def test_close_waits_for_busy_handlers_then_cancels() -> None:
 
     served = await _serve(handler)
     reader, writer = await served.open()
-    writer.write(b"GET / HTTP/1.1\r\n\r\n")
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     await asyncio.sleep(0.1)
     closing = asyncio.get_running_loop().create_task(served.server.close(grace=5.0))
     await asyncio.sleep(0.2)
@@ -328,7 +328,9 @@ async def test_a_request_half_sent_behind_a_slow_answer_still_times_out() -> Non
     served = await _serve(handler, receive_timeout=0.3)
     try:
         reader, writer = await served.open()
-        writer.write(b"GET / HTTP/1.1\r\n\r\nPOST / HTTP/1.1\r\nContent-Length: 10\r\n\r\nab")
+        writer.write(
+            b"GET / HTTP/1.1\r\nHost: x\r\n\r\nPOST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nab"
+        )
         await asyncio.sleep(0.6)  # the second request's receive timer ran out while the first was answered
         release.set()
         assert (await _read_response(reader))[2] == b"first"

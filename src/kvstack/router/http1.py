@@ -9,18 +9,28 @@ length in one write) or streams through the connection (`start`, `write`, `end`:
 
 Protocol behaviour:
 - keep-alive and pipelining: requests on one connection are answered in order, one handler at a time;
-  at most ``MAX_PIPELINED`` wait, beyond that reading pauses until the handler catches up;
-- ``Expect: 100-continue`` is answered before the body is read (or refused with 413 when the announced
-  body is too large); chunked request bodies are decoded;
+  at most ``MAX_PIPELINED`` wait, beyond that reading pauses until the handler catches up, and no
+  further request is taken while the client leaves its answers unread (transport over its high-water mark);
+- ``Expect: 100-continue`` is answered once all headers passed their checks (413 instead when the announced
+  body is too large), held while an earlier answer is still being sent (dropped if the body comes
+  meanwhile), never sent to HTTP/1.0; chunked request bodies are decoded;
+- RFC 9112 request checks: exactly one Host (400; none is fine for HTTP/1.0), HTTP/1.0 or 1.1 only (505),
+  no transfer coding but chunked (501); an absolute-form target (``http://host/path``) is served by its path;
+- an ``Upgrade`` offer (h2c, websocket) is ignored and the request served as HTTP/1.1 with its body
+  (RFC 9110 §7.8); a CONNECT request is answered, then the connection closes;
 - limits, each answered in OpenAI error JSON then the connection closes: URL over ``MAX_URL_BYTES`` (414),
   headers over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431), a body over ``max_body`` (413), malformed
-  HTTP (400), a request not received within ``receive_timeout`` (408);
+  HTTP (400), a request not received within ``receive_timeout`` (408); a bad request pipelined behind
+  others is refused after their answers (RFC 9112 §9.3.2), reading stops meanwhile;
+- a client that half-closes (``shutdown(SHUT_WR)``) is taken as gone, as nginx and uvicorn take it: the
+  FIN of a close and of a half-close look the same, and a client that left must cancel its handler;
 - an idle keep-alive connection closes after ``keep_alive_timeout``; beyond ``max_connections`` open
   connections a new one is answered 503 (OpenAI error JSON, ``Retry-After``) and closed;
 - a client that disconnects cancels its handler (the proxy then closes the upstream request, which is how
   an engine learns to abort), and a write to a gone client raises ``ConnectionResetError``;
 - write back-pressure: ``write`` waits while the client's socket buffer is over its high-water mark;
-- HTTP/1.0 clients get close-delimited streams; HEAD is answered as GET without the body.
+- HTTP/1.0 clients get close-delimited streams, and ``Connection: keep-alive`` when they asked for it and the
+  connection stays open; HEAD is answered as GET without the body.
 """
 
 from __future__ import annotations
@@ -50,6 +60,10 @@ MAX_URL_BYTES = 8 * 1024
 MAX_HEADER_BYTES = 64 * 1024
 MAX_HEADERS = 128
 MAX_PIPELINED = 16
+# Request headers on_headers_complete looks at; any other name costs one set lookup.
+_CHECKED_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "upgrade"})
+# llhttp's error reason for a version it does not parse (HTTP/1.2, HTTP/3.0, ...).
+_LLHTTP_BAD_VERSION = "Invalid HTTP version"
 # How a response body is delimited.
 _LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
 
@@ -129,6 +143,17 @@ class _Clock:
         return self._line
 
 
+def _origin_form(target: str) -> str:
+    """The path of an absolute-form request target (``http://host/p`` -> ``/p``, RFC 9112 §3.2.2).
+
+    Other targets (``*``, CONNECT's ``host:port``) are returned as they are.
+    """
+    scheme, sep, rest = target.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        return target
+    return "/" + rest.partition("/")[2]
+
+
 class Connection(asyncio.Protocol):
     """One client connection: parses requests, runs their handler, writes the answers."""
 
@@ -142,14 +167,18 @@ class Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._closed = False
-        self._close_after = False  # no further request on this connection (upgrade, error, HTTP/1.0)
+        self._close_after = False  # no further request on this connection (CONNECT, error, HTTP/1.0)
+        self._refusal: tuple[int, str] | None = None  # a bad request's answer, due after the earlier ones
         # The request being received.
         self._receiving = False
         self._url = b""
+        self._version = "1.1"
         self._headers: list[tuple[str, str]] = []
         self._header_bytes = 0
         self._body: list[bytes] = []
         self._body_size = 0
+        self._upgrade_offer = False  # its head is replayed without Upgrade (_without_upgrade)
+        self._continue_held = False  # it expects 100 Continue while an earlier answer is being sent
         # The response being sent.
         self._request: Request | None = None
         self._started = False
@@ -174,20 +203,31 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._close_after = True  # the request was read; answer it, then close (no protocol switch)
-            self.pause_reading()
-        except httptools.HttpParserCallbackError as exc:
-            refused = exc.__context__
-            if isinstance(refused, _Refuse):
-                self._refuse(refused.status, refused.message)
-            else:
-                log.exception("HTTP parser callback failed")
-                self._refuse(500, "internal error while reading the request")
-        except httptools.HttpParserError as exc:
-            self._refuse(400, f"malformed HTTP request: {exc}")
+        while True:
+            try:
+                self._parser.feed_data(data)
+                return
+            except httptools.HttpParserUpgrade as exc:
+                rest = data[exc.args[0] :]
+            except httptools.HttpParserCallbackError as exc:
+                refused = exc.__context__
+                if isinstance(refused, _Refuse):
+                    self._refuse(refused.status, refused.message)
+                else:
+                    log.exception("HTTP parser callback failed")
+                    self._refuse(500, "internal error while reading the request")
+                return
+            except httptools.HttpParserError as exc:
+                if str(exc) == _LLHTTP_BAD_VERSION:
+                    self._refuse(505, "HTTP version not supported; send HTTP/1.1")
+                else:
+                    self._refuse(400, f"malformed HTTP request: {exc}")
+                return
+            if not self._upgrade_offer:
+                self._close_after = True  # CONNECT: what follows is not HTTP; answer it, then close
+                self.pause_reading()
+                return
+            data = self._without_upgrade() + rest  # a loop, not recursion: many may be pipelined
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._closed = True
@@ -230,12 +270,40 @@ class Connection(asyncio.Protocol):
         self._headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
-        limit = self._server.max_body
+        parser = self._parser
+        self._version = version = parser.get_http_version()
+        if version != "1.1" and version != "1.0":
+            raise _Refuse(505, f"HTTP/{version} is not supported; send HTTP/1.1")
+        hosts = 0
+        expect = upgrade = False
+        codings: str | None = None
         for name, value in self._headers:
             lname = name.lower()
-            if lname == "content-length" and value.isdigit() and int(value) > limit:
-                raise _Refuse(413, f"request body larger than {limit} bytes")
-            if lname == "expect" and value.lower() == "100-continue" and self._transport is not None:
+            if lname not in _CHECKED_HEADERS:
+                continue
+            if lname == "host":
+                hosts += 1
+            elif lname == "content-length":
+                if value.isdigit() and int(value) > self._server.max_body:
+                    raise _Refuse(413, f"request body larger than {self._server.max_body} bytes")
+            elif lname == "expect":
+                expect = value.lower() == "100-continue"
+            elif lname == "transfer-encoding":
+                codings = value if codings is None else f"{codings},{value}"
+            else:
+                upgrade = True
+        if hosts != 1 and (hosts > 1 or version == "1.1"):
+            raise _Refuse(400, f"request has {hosts} Host headers; HTTP/1.1 needs exactly one")
+        if codings is not None and "," in codings:
+            # Only chunked is decoded; llhttp itself refuses (400) codings that do not end in chunked.
+            raise _Refuse(501, f"Transfer-Encoding {codings!r} not supported: send the body plain or chunked")
+        if upgrade and parser.should_upgrade() and parser.get_method() != b"CONNECT":
+            self._upgrade_offer = True  # data_received reads this request again without Upgrade
+            return
+        if expect and version == "1.1":  # never a 1xx to HTTP/1.0 (RFC 9110 §15.2)
+            if self._task is not None:
+                self._continue_held = True  # an earlier answer is being sent: _serve sends this one after it
+            elif self._transport is not None:
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -245,10 +313,15 @@ class Connection(asyncio.Protocol):
         self._body.append(body)
 
     def on_message_complete(self) -> None:
+        if self._upgrade_offer:
+            return  # llhttp skipped the body; the request is read again without Upgrade (data_received)
         self._receiving = False
+        self._continue_held = False
         self._disarm()
         parser = self._parser
         path, _, query = self._url.decode("utf-8", "surrogateescape").partition("?")
+        if path[:1] != "/":
+            path = _origin_form(path)
         body = self._body[0] if len(self._body) == 1 else b"".join(self._body)
         request = Request(
             parser.get_method().decode("ascii", "replace"),
@@ -256,7 +329,7 @@ class Connection(asyncio.Protocol):
             query,
             CIMultiDictProxy(CIMultiDict(self._headers)),
             body,
-            parser.get_http_version(),
+            self._version,
             parser.should_keep_alive(),
         )
         self._body = []
@@ -301,12 +374,27 @@ class Connection(asyncio.Protocol):
                 break
             if not self._pending:
                 break
+            if self._write_paused:
+                # The client leaves its answers unread: take no further request until it reads, or a client
+                # that pipelines and never reads would grow the answers buffered here without bound.
+                try:
+                    await self._drained()
+                except ConnectionResetError:
+                    break
             request = self._pending.popleft()
             if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
                 self.resume_reading()
         self._task = None
         self._request = None
-        if not self._closed:
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            return
+        if self._refusal is not None:
+            self._refuse(*self._refusal)  # a bad request behind the ones answered: its turn now, then close
+        else:
+            if self._continue_held and not self._body_size:
+                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
+            self._continue_held = False
             # A next request half received while this one was answered gets the rest of its time now.
             self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
 
@@ -326,11 +414,14 @@ class Connection(asyncio.Protocol):
         if self._started:
             raise RuntimeError("response already started")
         self._started = True
-        closing = self._close_after or (self._request is not None and not self._request.keep_alive)
-        framing = b"Content-Length: %d\r\n%s\r\n" % (
-            len(body),
-            b"Connection: close\r\n" if closing else b"",
-        )
+        request = self._request
+        if self._close_after or (request is not None and not request.keep_alive):
+            connection = b"Connection: close\r\n"
+        elif request is not None and request.version == "1.0":
+            connection = b"Connection: keep-alive\r\n"  # else an HTTP/1.0 client waits for the close
+        else:
+            connection = b""
+        framing = b"Content-Length: %d\r\n%s\r\n" % (len(body), connection)
         head = self._head(status, headers, framing)
         transport = self._transport
         if transport is None or self._closed or transport.is_closing():
@@ -373,9 +464,13 @@ class Connection(asyncio.Protocol):
         else:
             transport.write(data)
         if self._write_paused:
-            if self._drain is None or self._drain.done():
-                self._drain = self._loop.create_future()
-            await self._drain
+            await self._drained()
+
+    async def _drained(self) -> None:
+        """Wait until the client reads the buffered answers (``ConnectionResetError`` if it left)."""
+        if self._drain is None or self._drain.done():
+            self._drain = self._loop.create_future()
+        await self._drain
 
     def end(self) -> None:
         """The end of a streamed body."""
@@ -389,12 +484,37 @@ class Connection(asyncio.Protocol):
     def response_started(self) -> bool:
         return self._started
 
+    def _without_upgrade(self) -> bytes:
+        """The head of the Upgrade request just read, without Upgrade, for a new parser to read again.
+
+        llhttp hands the connection over after an Upgrade request's headers (and would take its body for
+        the next request). The router does not switch protocols (RFC 9110 §7.8 lets a server ignore the
+        offer), so the request is read again as plain HTTP/1.1: this head, then the bytes after it.
+        """
+        self._upgrade_offer = False
+        parser = self._parser
+        lines = [b"%s %s HTTP/%s\r\n" % (parser.get_method(), self._url, self._version.encode("ascii"))]
+        for name, value in self._headers:
+            if name.lower() != "upgrade":
+                lines.append(
+                    b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("utf-8", "surrogateescape"))
+                )
+        lines.append(b"\r\n")
+        self._parser = httptools.HttpRequestParser(self)
+        return b"".join(lines)
+
     # -- connection control --------------------------------------------------------------------------
     def _refuse(self, status: int, message: str, retry_later: bool = False) -> None:
         """Answer a request that could not be read (or a connection over the limit), then close."""
+        if self._task is not None:
+            # Earlier requests are still being answered, and answers go out in order (RFC 9112 §9.3.2):
+            # read nothing more; _serve sends this answer after theirs.
+            if self._refusal is None:
+                self._refusal = (status, message)
+                self.pause_reading()
+            return
         self._close_after = True
-        if self._task is not None or self._transport is None:
-            self.close()  # a handler is answering an earlier request: there is no slot for this answer
+        if self._transport is None:
             return
         err = OpenAIError(status, message, _REASONS.get(status, "Error"))
         head = self._head(
@@ -427,7 +547,12 @@ class Connection(asyncio.Protocol):
             self._transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._reading_paused and self._transport is not None and not self._closed:
+        if (
+            self._reading_paused
+            and self._refusal is None
+            and self._transport is not None
+            and not self._closed
+        ):
             self._reading_paused = False
             self._transport.resume_reading()
 
