@@ -284,8 +284,9 @@ async def test_stream_cut_mid_way_ends_with_error_not_hang(stack: Stack) -> None
         assert r.status == 200
         text = (await asyncio.wait_for(r.read(), 10)).decode()
     events = [e for e in text.split("\n\n") if e.startswith("data: ")]
-    assert len(events) == 4
-    assert "error" in json.loads(events[-1][len("data: ") :])
+    assert len(events) == 5
+    assert "error" in json.loads(events[-2][len("data: ") :])
+    assert events[-1] == "data: [DONE]"  # as vLLM ends a failed stream
 
 
 async def test_client_disconnect_aborts_the_engine_request(stack: Stack) -> None:

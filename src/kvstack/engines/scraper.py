@@ -15,7 +15,8 @@ What a scrape changes:
 - success: ``metrics`` = a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
 - failure: the last reading is kept but goes stale once older than ``stale_after`` (default 3 * interval);
   stale signals read as unknown (scorers treat them as saturated), never as idle. After ``unhealthy_after``
-  consecutive connection failures (default 5: nothing listens there) ``healthy`` = False. Any other failure
+  consecutive connection failures (default 5: nothing listens there, or the engine URL is unusable, such as
+  port 99999) ``healthy`` = False. Any other failure
   (timeout, HTTP error status, unreadable body, unknown engine type) leaves health alone: the engine is
   there, only its load is unknown; a hung engine is caught by the proxy's timeouts and circuit breaker.
 
@@ -260,6 +261,8 @@ class MetricsScraper:
                 ) as resp:
                     check_answer(resp.status, resp.content_length, max_bytes)
                     return await read_capped(resp.content.readany, max_bytes)
+            except aiohttp.InvalidURL as exc:
+                raise ScrapeFailed("connect", f"unusable engine URL {exc}", reached=False) from exc
             except aiohttp.ClientConnectionError as exc:
                 raise ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
             except aiohttp.ClientError as exc:

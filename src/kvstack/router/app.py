@@ -10,9 +10,14 @@ Routes:
 - GET /v1/models: the union of the engines' models;
 - GET /health (the router is alive), /ready (every configured model has a routable engine; JSON detail),
   /metrics (the router's own ``kvstack_`` metrics), /engines (JSON state of every engine);
-- POST /admin/engines (add), DELETE /admin/engines?url= (remove), POST /admin/engines/drain and /undrain,
-  protected by ``admin_key`` when set.
-Client API keys (``Authorization: Bearer``) are checked when configured. Every error is OpenAI error JSON.
+- POST /admin/engines (add; the URL must be http(s)://host[:port][/path], port 1-65535),
+  DELETE /admin/engines?url= (remove), POST /admin/engines/drain and /undrain.
+Access (``Authorization: Bearer``): client API keys, when configured, are needed everywhere but /health,
+/ready and /metrics. The admin routes need ``admin_key`` when it is set; without one they need a client API
+key when those are configured, and are open only when neither is.
+Every error is OpenAI error JSON. Proxied requests carry ``x-request-id`` to the engine and back on every
+answer, the router's own errors included: the client's value when it is at most 256 printable ASCII
+characters, else a generated ``kvs-...`` id.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from kvstack.router.http1 import Connection, HttpServer, Request, Response
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
+from kvstack.router.upstream import Origin
 from kvstack.router.workers import WorkerGroup
 
 log = logging.getLogger(__name__)
@@ -58,6 +64,7 @@ PROXIED_PATHS = (
 )
 SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvstack-worker"
+REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,13 +184,13 @@ class RouterApp:
         except OpenAIError as err:
             if conn.response_started:
                 raise
-            return _error(err)
+            return _error(err, [("x-request-id", _request_id(request))])
 
     def _authorize(self, request: Request) -> None:
         path = request.path
         admin_key = self.config.admin_key
-        if path.startswith("/admin/"):
-            if admin_key is not None and not _bearer_matches(request, {admin_key}):
+        if path.startswith("/admin/") and admin_key is not None:
+            if not _bearer_matches(request, {admin_key}):
                 raise OpenAIError(
                     401, "admin endpoints need Authorization: Bearer <admin key>", "AuthenticationError"
                 )
@@ -235,7 +242,14 @@ class RouterApp:
                 if models != entry.state.endpoint.models:
                     self.registry.upsert(_replace_models(entry.state.endpoint, models))
                 delay = self.config.models_refresh_s
-            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            except (
+                aiohttp.ClientError,
+                TimeoutError,
+                ValueError,
+                KeyError,
+                TypeError,
+                RecursionError,
+            ) as exc:
                 log.debug("engine %s: /v1/models failed: %r", url, exc)
                 delay = (
                     min(delay * 2, 5.0) if not entry.state.endpoint.models else self.config.models_refresh_s
@@ -376,9 +390,10 @@ class RouterApp:
         raw = request.body
         outcome = Outcome()
         model_label = "other"  # until the body names a served model: a client cannot grow the series
+        request_id = _request_id(request)
         try:
             # Refused requests (bad JSON, unknown model, bad timeout header) are counted too, engine "none".
-            route = self._parse(request, raw)
+            route = self._parse(request, raw, request_id)
             timeouts = self.config.timeouts.overridden(request.headers)
             if route.model in self.registry.models():
                 model_label = route.model
@@ -403,10 +418,12 @@ class RouterApp:
             self.metrics.admission_rejections.labels(reason=rej.reason).inc()
             err = errors.rate_limited(f"router is at capacity ({rej.reason}); retry later")
             outcome.status = 429
-            return _json(err.body(), 429, [("Retry-After", rej.retry_after_header)])
+            return _error(err, [("Retry-After", rej.retry_after_header), ("x-request-id", request_id)])
         except OpenAIError as err:
             outcome.status = err.status
-            raise
+            if conn.response_started:
+                raise
+            return _error(err, [("x-request-id", request_id)])
         except Exception:
             if not outcome.status and outcome.error != "client_disconnected":
                 outcome.status = 500  # what the server answers for it (a client that left counts as 499)
@@ -419,14 +436,11 @@ class RouterApp:
                 )
         return None
 
-    def _parse(self, request: Request, raw: bytes) -> RouteRequest:
+    def _parse(self, request: Request, raw: bytes, request_id: str) -> RouteRequest:
         content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
         if content_type and content_type != "application/json":
             raise errors.unsupported_media_type()
-        try:
-            body = _decode.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise errors.bad_request(f"request body is not valid JSON: {exc}", "body") from None
+        body = _decode_json(raw, "request body is not valid JSON")
         if not isinstance(body, dict):
             raise errors.bad_request("request body must be a JSON object", "body")
         model = body.get("model")
@@ -443,7 +457,6 @@ class RouterApp:
         session = request.headers.get(SESSION_HEADER)
         if session is None and isinstance(body.get("user"), str):
             session = body["user"]
-        request_id = request.headers.get("x-request-id") or f"kvs-{secrets.token_hex(12)}"
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
     async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
@@ -462,8 +475,12 @@ def _error(err: OpenAIError, headers: Sequence[tuple[str, str]] = ()) -> Respons
 def _endpoint_of(body: dict[str, Any]) -> Endpoint:
     """The engine an admin "add" body describes; 400 naming the bad field."""
     url = body.get("url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+    if not isinstance(url, str):
         raise errors.bad_request("body needs 'url': an http(s) base URL of an engine", "url")
+    try:
+        Origin.parse(url)
+    except ValueError as exc:
+        raise errors.bad_request(str(exc), "url") from None
     try:
         role = EngineRole(body.get("role", "both"))
     except ValueError:
@@ -493,11 +510,26 @@ def _bearer_matches(request: Request, keys: set[str] | frozenset[str]) -> bool:
     return any(hmac.compare_digest(token, k) for k in keys)
 
 
-def _json_object(request: Request) -> dict[str, Any]:
+def _request_id(request: Request) -> str:
+    """The client's x-request-id when it is short printable ASCII, else a new one."""
+    given = request.headers.get("x-request-id")
+    if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
+        return given
+    return f"kvs-{secrets.token_hex(12)}"
+
+
+def _decode_json(raw: bytes, what: str) -> Any:
+    """``raw`` decoded; a 400 starting with ``what`` when it is not JSON."""
     try:
-        body = _decode.decode(request.body)
-    except msgspec.DecodeError:
-        raise errors.bad_request("body must be JSON", "body") from None
+        return _decode.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"{what}: {exc}", "body") from None
+    except RecursionError:
+        raise errors.bad_request(f"{what}: nested too deeply", "body") from None
+
+
+def _json_object(request: Request) -> dict[str, Any]:
+    body = _decode_json(request.body, "body must be JSON")
     if not isinstance(body, dict):
         raise errors.bad_request("body must be a JSON object", "body")
     return body

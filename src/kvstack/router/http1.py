@@ -421,7 +421,11 @@ class Connection(asyncio.Protocol):
             connection = b"Connection: keep-alive\r\n"  # else an HTTP/1.0 client waits for the close
         else:
             connection = b""
-        framing = b"Content-Length: %d\r\n%s\r\n" % (len(body), connection)
+        if status == 204 or status == 304:  # no body, and (RFC 9110 §8.6) no Content-Length on a 204 either
+            framing = connection + b"\r\n"
+            body = b""
+        else:
+            framing = b"Content-Length: %d\r\n%s\r\n" % (len(body), connection)
         head = self._head(status, headers, framing)
         transport = self._transport
         if transport is None or self._closed or transport.is_closing():
@@ -559,6 +563,12 @@ class Connection(asyncio.Protocol):
     def close(self) -> None:
         if self._transport is not None and not self._transport.is_closing():
             self._transport.close()
+
+    def abort(self) -> None:
+        """Drop the connection now, with whatever the client has not taken yet (``close`` would wait for a
+        client that stopped reading to take it)."""
+        if self._transport is not None:
+            self._transport.abort()
 
     @property
     def idle(self) -> bool:

@@ -1,36 +1,44 @@
 """Forwarding one request to an engine: streaming passthrough, timeouts, retries and aborts.
 
-- Bytes are relayed as they arrive (SSE and chunked bodies alike); nothing is buffered beyond one read.
+- Bytes are relayed as they arrive (chunked bodies as read; SSE in whole events: the unfinished tail of
+  an event waits for its end, up to ``SSE_HOLD_MAX`` bytes); nothing else is buffered beyond one read.
 - Timeouts: connect, first byte (request sent -> response headers), idle gap between body reads, and a
   total deadline. Each can be overridden per request by headers ``x-kvstack-timeout-{connect,first-byte,
-  idle,total}`` (seconds).
+  idle,total}`` (seconds). The total deadline also runs while the router waits for a client to take
+  what it sent: a client that stops reading is cut off at the deadline (engine request aborted too).
 - Retries go to the next candidate engine, only before any byte reached the client, for connect
   errors, first-byte timeouts and statuses 429, 502, 503, 504; exponential backoff with full jitter.
-  When every attempt failed, the last engine response is passed on, or a 502/504 OpenAI error.
-- The circuit breaker hears every outcome except client errors (4xx) and client disconnects.
+  When every attempt failed, the last engine response is passed on (wrapped in OpenAI error JSON when
+  its body is not JSON), or a 502/504 OpenAI error.
+- The circuit breaker hears every outcome except client errors (4xx), client disconnects and
+  timeouts the client caused: a per-request timeout header shorter than the router's own setting, or
+  a deadline missed waiting for the client. A timeout at the router's configured values counts.
 - A client that goes away (the handler is cancelled, or a write fails) closes the upstream connection,
   which is how vLLM learns to abort the request.
 - After bytes were sent, an upstream failure cannot change the status: a stream gets a final SSE error
-  event and ends; a plain body ends short. Never a hang: the idle timeout bounds every wait.
+  event then ``data: [DONE]`` (as vLLM ends a failed stream); a plain body ends short. Never a hang: the
+  idle timeout bounds every wait for the engine, the total deadline every wait for the client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import random
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import Literal
+
+import msgspec
 
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
-from kvstack.openai.sse import encode_error_event
+from kvstack.openai.sse import DONE, encode_error_event
 from kvstack.router.http1 import Connection
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.registry import EngineEntry, EngineRegistry
-from kvstack.router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from kvstack.router.upstream import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +69,20 @@ TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
 ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
 WHOLE_BODY_MAX = 8 * 1024 * 1024
+# An SSE event longer than this is relayed as it arrives instead of whole.
+SSE_HOLD_MAX = 1024 * 1024
+# Answers that never have a body (RFC 9110 §6.4.1): relayed without one, never chunked.
+NO_BODY_STATUSES = frozenset({204, 304})
+# The error type of an engine refusal the router wraps (its body was not JSON).
+_REFUSAL_TYPES = {
+    429: "RateLimitError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+_decode_json = msgspec.json.Decoder().decode
+# The Timeouts field bounding a wait for the engine.
+Bound = Literal["connect", "first_byte", "idle", "total"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +108,17 @@ class Timeouts:
                 raise errors.bad_request(f"header {header} must be seconds in (0, 86400], got {raw!r}")
             changes[name.replace("-", "_")] = value
         return replace(self, **changes) if changes else self
+
+    def limit(self, bound: Literal["first_byte", "idle"], remaining: float) -> tuple[Bound, float]:
+        """How long a wait may last and which bound sets that: ``bound``, or the total deadline when it
+        comes first (``remaining`` seconds away)."""
+        seconds: float = getattr(self, bound)
+        return (bound, seconds) if seconds < remaining else ("total", max(0.0, remaining))
+
+    def shortened(self, bound: Bound, configured: Timeouts) -> bool:
+        """Whether ``bound`` is below the router's ``configured`` value (a client's header chose it)."""
+        mine: float = getattr(self, bound)
+        return mine < getattr(configured, bound)
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +219,11 @@ class Proxy:
                     request_id,
                 )
         if last_error is not None and last_error.response is not None:
-            # Every engine refused: pass the last engine's answer on unchanged.
+            # Every engine refused: pass the last engine's answer on.
             resp = last_error.response
             outcome.status = resp.status
             try:
-                conn.send(resp.status, _response_headers(resp, request_id, resp.url), last_error.body)
+                conn.send(resp.status, *_refusal(resp, last_error.body, request_id))
             finally:
                 resp.release()
             return
@@ -238,17 +271,20 @@ class Proxy:
             self.metrics.set_circuit(url, breaker.state)
 
         try:
-            first_byte = min(timeouts.first_byte, max(0.0, deadline - self._clock()))
+            bound, first_byte = timeouts.limit("first_byte", deadline - self._clock())
             try:
                 upstream = await self.upstream.request(
                     url, path, headers, body, connect_timeout=timeouts.connect, first_byte_timeout=first_byte
                 )
             except TimeoutError:
-                settle(False)
+                settle(self._timeout_verdict(timeouts, bound))
                 raise _Retryable("first_byte_timeout") from None
             except UpstreamError as exc:
-                # Connect errors, and a connection the engine closed or broke before its answer.
-                settle(False)
+                # Connect errors, an unusable engine URL, and a connection the engine closed or broke
+                # before its answer.
+                settle(
+                    self._timeout_verdict(timeouts, "connect") if isinstance(exc, ConnectTimedOut) else False
+                )
                 raise _Retryable(exc.reason) from None
 
             if upstream.status in RETRY_STATUSES:
@@ -264,14 +300,16 @@ class Proxy:
             resp_headers = _response_headers(upstream, request_id, url)
             is_sse = (upstream.header("content-type") or "").startswith("text/event-stream")
             length = upstream.content_length
-            loop = asyncio.get_running_loop()
 
-            if not is_sse and length is not None and length <= WHOLE_BODY_MAX:
+            if upstream.status in NO_BODY_STATUSES or (
+                not is_sse and length is not None and length <= WHOLE_BODY_MAX
+            ):
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
+                bound, within = timeouts.limit("idle", deadline - self._clock())
                 try:
-                    data = await upstream.read(min(timeouts.idle, max(0.0, deadline - self._clock())))
-                except UpstreamError:
-                    settle(False)
+                    data = await upstream.read(within)
+                except UpstreamError as exc:
+                    settle(self._timeout_verdict(timeouts, bound) if isinstance(exc, TimeoutError) else False)
                     self.metrics.upstream_errors.labels(engine=url, reason="body").inc()
                     raise OpenAIError(
                         502, f"engine {url} failed while sending its answer", "BadGatewayError"
@@ -283,38 +321,27 @@ class Proxy:
 
             conn.start(upstream.status, resp_headers)
             outcome.first_byte_at = self._clock()
-            # One timer for the whole relay, pushed forward before each read (idle gap, capped by the total).
-            async with asyncio.timeout(None) as watchdog:
-                while True:
-                    watchdog.reschedule(
-                        min(loop.time() + timeouts.idle, loop.time() + deadline - self._clock())
-                    )
-                    broke: Exception | None = None
-                    try:
-                        chunk = await upstream.readany()
-                    except UpstreamError as exc:
-                        chunk, broke = b"", exc
-                    if broke is not None:
-                        watchdog.reschedule(None)
-                        settle(False)
-                        self.metrics.upstream_errors.labels(engine=url, reason="mid_stream").inc()
-                        await _upstream_broke(conn, upstream, broke, url, stream or is_sse, outcome)
-                        return
-                    if not chunk:
-                        break
-                    # Only the engine's silence counts as idle, not a slow client.
-                    watchdog.reschedule(None)
-                    # A failed write means the client left: ConnectionResetError goes to the handler below.
-                    await conn.write(chunk)
-                    outcome.bytes_sent += len(chunk)
-            settle(upstream.status < 500)
-            conn.end()
-        except TimeoutError as exc:
-            # The relay watchdog fired: idle gap or total deadline, after bytes reached the client.
-            settle(False)
-            self.metrics.upstream_errors.labels(engine=url, reason="idle_timeout").inc()
-            assert upstream is not None
-            await _upstream_broke(conn, upstream, exc, url, True, outcome)
+            events = _WholeEvents() if is_sse else None
+            stopped = await self._relay(conn, upstream, events, timeouts, deadline, outcome)
+            if stopped is None:
+                settle(upstream.status < 500)
+                conn.end()
+            elif stopped == "client":
+                # The client took nothing until the deadline: abort the engine's request, drop the client.
+                settle(None)
+                outcome.error = "client_too_slow"
+                log.info("request %s: the client stopped reading; cut off at its deadline", request_id)
+                upstream.close()
+                conn.abort()
+            else:
+                settle(False if stopped == "broke" else self._timeout_verdict(timeouts, stopped))
+                if stopped == "broke":
+                    reason, label = "upstream_broke", "mid_stream"
+                else:
+                    reason = label = f"{stopped}_timeout"
+                self.metrics.upstream_errors.labels(engine=url, reason=label).inc()
+                sse = stream or is_sse
+                await self._end_early(conn, upstream, reason, url, events, sse, deadline, outcome)
         except ConnectionResetError:
             # The client went away mid-write: closing the upstream connection makes the engine abort.
             outcome.error = "client_disconnected"
@@ -337,24 +364,124 @@ class Proxy:
             if upstream is not None:
                 upstream.release()
 
+    def _timeout_verdict(self, timeouts: Timeouts, bound: Bound) -> bool | None:
+        """For the breaker: a timeout is the engine's failure only at the router's own limit."""
+        return None if timeouts.shortened(bound, self.timeouts) else False
 
-async def _upstream_broke(
-    conn: Connection,
-    upstream: UpstreamResponse,
-    exc: BaseException,
-    url: str,
-    sse: bool,
-    outcome: Outcome,
-) -> None:
-    """After bytes reached the client the status cannot change: end a stream with an SSE error event."""
-    reason = "idle_timeout" if isinstance(exc, TimeoutError) else "upstream_broke"
-    outcome.error = reason
-    if sse:
-        err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
-        with contextlib.suppress(ConnectionError):
-            await conn.write(encode_error_event(err))
-    upstream.close()
-    conn.end()
+    async def _relay(
+        self,
+        conn: Connection,
+        upstream: UpstreamResponse,
+        events: _WholeEvents | None,
+        timeouts: Timeouts,
+        deadline: float,
+        outcome: Outcome,
+    ) -> Bound | Literal["client", "broke"] | None:
+        """Copy the engine's body to the client. None when it ended; "broke" when the engine's connection
+        failed; else what timed out: a wait for the engine (idle gap or total), or for the client."""
+        loop = asyncio.get_running_loop()
+        deadline_at = loop.time() + deadline - self._clock()  # the total deadline on the loop's clock
+        idle = timeouts.idle
+        waiting_for: Bound | Literal["client"] = "idle"
+        try:
+            # One timer for the whole relay, moved before each wait: for the engine, the idle gap capped by
+            # the deadline; for a client that is slow to read, the deadline alone.
+            async with asyncio.timeout(None) as timer:
+                while True:
+                    idle_at = loop.time() + idle
+                    if idle_at < deadline_at:
+                        waiting_for = "idle"
+                        timer.reschedule(idle_at)
+                    else:
+                        waiting_for = "total"
+                        timer.reschedule(deadline_at)
+                    try:
+                        chunk = await upstream.readany()
+                    except UpstreamError:
+                        return "broke"
+                    ended = not chunk
+                    if events is not None:
+                        chunk = events.rest() if ended else events.whole(chunk)
+                    if chunk:
+                        waiting_for = "client"
+                        timer.reschedule(deadline_at)
+                        # A failed write means the client left: ConnectionResetError goes to the caller.
+                        await conn.write(chunk)
+                        outcome.bytes_sent += len(chunk)
+                    if ended:
+                        return None
+        except TimeoutError:
+            return waiting_for
+
+    async def _end_early(
+        self,
+        conn: Connection,
+        upstream: UpstreamResponse,
+        reason: str,
+        url: str,
+        events: _WholeEvents | None,
+        sse: bool,
+        deadline: float,
+        outcome: Outcome,
+    ) -> None:
+        """After bytes reached the client the status cannot change: end a stream with an SSE error event
+        and ``[DONE]``, which the client gets until the deadline to take."""
+        outcome.error = reason
+        upstream.close()
+        if sse:
+            err = OpenAIError(502, f"engine {url} failed mid-stream ({reason})", "BadGatewayError")
+            # A client holding part of an event would read the error as the rest of it: end that one.
+            separator = b"\n\n" if events is not None and events.mid_event else b""
+            loop = asyncio.get_running_loop()
+            try:
+                async with asyncio.timeout_at(loop.time() + deadline - self._clock()):
+                    await conn.write(separator + encode_error_event(err) + DONE)
+            except TimeoutError:
+                conn.abort()  # the client stopped reading
+                return
+            except ConnectionError:
+                return
+        conn.end()
+
+
+class _WholeEvents:
+    """An SSE stream cut after its last complete event; the rest waits for its end. A stream the engine
+    breaks off then never leaves the client half an event, which would swallow the error event sent
+    after it. An event over ``SSE_HOLD_MAX`` bytes is relayed as it comes (``mid_event`` says the client
+    holds part of one)."""
+
+    __slots__ = ("held", "mid_event")
+
+    def __init__(self) -> None:
+        self.held = b""
+        self.mid_event = False
+
+    def whole(self, chunk: bytes) -> bytes:
+        """What can go to the client now, of the held bytes followed by ``chunk``."""
+        data = self.held + chunk if self.held else chunk
+        if data.endswith(b"\n\n"):  # the usual case: engines write whole events
+            self.held, self.mid_event = b"", False
+            return data
+        end = _events_end(data)
+        if len(data) - end > SSE_HOLD_MAX:
+            self.held, self.mid_event = b"", True
+            return data
+        if end:
+            self.mid_event = False
+        self.held = data[end:]
+        return data[:end]
+
+    def rest(self) -> bytes:
+        """The held bytes, at the end of the stream (an engine that ended mid-event: passed on as is)."""
+        held, self.held = self.held, b""
+        return held
+
+
+def _events_end(data: bytes) -> int:
+    """Where the last complete SSE event in ``data`` ends (0: none does); an event ends with a blank line."""
+    lf = data.rfind(b"\n\n")
+    crlf = data.rfind(b"\r\n\r\n")
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 20) -> bytes:
@@ -376,13 +503,34 @@ async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 2
 
 def _forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
     out: list[tuple[str, str]] = []
+    drop = _DROP_REQUEST_HEADERS
+    named = incoming.get("connection")
+    if named:  # headers the Connection header names are hop-by-hop too (RFC 9110 §7.6.1), e.g. HTTP2-Settings
+        drop = drop | {name.strip().lower() for name in named.split(",")}
     for key, value in incoming.items():
         lk = key.lower()
-        if lk in _DROP_REQUEST_HEADERS or lk.startswith(TIMEOUT_HEADER_PREFIX) or lk == "x-request-id":
+        if lk in drop or lk.startswith(TIMEOUT_HEADER_PREFIX) or lk == "x-request-id":
             continue
         out.append((key, value))
     out.append(("x-request-id", request_id))
     return out
+
+
+def _refusal(resp: UpstreamResponse, body: bytes, request_id: str) -> tuple[list[tuple[str, str]], bytes]:
+    """The headers and body an engine's refusal reaches the client with: as the engine sent them, or, when
+    the body is not JSON (an HTML page from a proxy in front of the engine), as OpenAI error JSON."""
+    headers = _response_headers(resp, request_id, resp.url)
+    if resp.header("content-encoding") is not None:
+        return headers, body  # (compressed: passed on as sent)
+    try:
+        _decode_json(body)
+    except (msgspec.DecodeError, RecursionError):
+        excerpt = body[:200].decode("utf-8", "replace").strip()
+        message = f"engine {resp.url} answered {resp.status} with a body that is not JSON: {excerpt!r}"
+        err = OpenAIError(resp.status, message, _REFUSAL_TYPES.get(resp.status, "BadGatewayError"))
+        keep = [(k, v) for k, v in headers if k.lower() in ("retry-after", "x-request-id", ENGINE_HEADER)]
+        return [("Content-Type", "application/json"), *keep], err.to_json()
+    return headers, body
 
 
 def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> list[tuple[str, str]]:

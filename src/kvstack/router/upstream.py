@@ -8,7 +8,9 @@ per engine origin.
 
 - ``UpstreamPool.request`` connects (or reuses an idle connection), sends, and returns an
   ``UpstreamResponse`` once the status line and headers arrived. Errors: ``ConnectFailed`` (nothing was
-  sent), ``UpstreamBroken`` (the connection failed or the answer was not HTTP).
+  sent; subclasses ``ConnectTimedOut``: connecting took ``connect_timeout``, and ``CannotSend``: the request
+  cannot be built, e.g. for an engine URL with port 99999), ``UpstreamBroken`` (the connection failed or
+  the answer was not HTTP).
 - A pooled connection the engine closed while it sat idle fails before any answer byte; that one request is
   sent again once on a new connection (the engine never saw it).
 - Reading: ``read()`` returns the whole body, ``readany()`` the next piece (``b""`` at the end). Reading
@@ -34,7 +36,9 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = [
+    "CannotSend",
     "ConnectFailed",
+    "ConnectTimedOut",
     "Origin",
     "UpstreamBroken",
     "UpstreamError",
@@ -55,6 +59,16 @@ class UpstreamError(Exception):
 
 class ConnectFailed(UpstreamError):
     reason = "connect_error"
+
+
+class ConnectTimedOut(ConnectFailed):
+    """Connecting (or waiting for a free connection slot) took ``connect_timeout``."""
+
+
+class CannotSend(ConnectFailed):
+    """The request could not be built for this engine (an unusable base URL); nothing was sent."""
+
+    reason = "cannot_send"
 
 
 class UpstreamBroken(UpstreamError):
@@ -81,11 +95,21 @@ class Origin:
 
     @classmethod
     def parse(cls, base_url: str) -> Origin:
-        parts = urlsplit(base_url)
+        """The origin of an http(s) base URL; ``ValueError`` saying what is wrong with any other."""
+        if not base_url.isprintable() or any(c.isspace() for c in base_url):
+            # These would end up in the request head sent to the engine.
+            raise ValueError(f"engine URL {base_url!r} contains whitespace or control characters")
+        try:
+            parts = urlsplit(base_url)
+            port = parts.port  # raises for a port out of range or not a number
+        except ValueError as exc:
+            raise ValueError(f"engine URL {base_url!r} is not a valid URL: {exc}") from None
         if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"not an http(s) URL: {base_url!r}")
-        port = parts.port or (443 if parts.scheme == "https" else 80)
+            raise ValueError(f"engine URL {base_url!r} is not http(s)://host[:port][/path]")
+        if port == 0:
+            raise ValueError(f"engine URL {base_url!r} has port 0 (the port must be 1-65535)")
         host_header = parts.netloc.rpartition("@")[2]
+        port = port or (443 if parts.scheme == "https" else 80)
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), host_header)
 
 
@@ -430,8 +454,11 @@ class UpstreamPool:
         deadline: float | None,
         method: str,
     ) -> UpstreamResponse:
-        origin = self.origin(base_url)
-        head = _request_head(method, origin, path, headers, len(body))
+        try:
+            origin = self.origin(base_url)
+            head = _request_head(method, origin, path, headers, len(body))
+        except ValueError as exc:
+            raise CannotSend(str(exc)) from None
         for fresh_only in (False, True):
             conn = None if fresh_only else self._take_idle(origin)
             reused = conn is not None
@@ -490,7 +517,7 @@ class UpstreamPool:
                 async with asyncio.timeout(connect_timeout):
                     await self._slots.acquire()
             except TimeoutError:
-                raise ConnectFailed(f"no free connection slot in {connect_timeout:g} s") from None
+                raise ConnectTimedOut(f"no free connection slot in {connect_timeout:g} s") from None
         loop = asyncio.get_running_loop()
         conn = _Connection(self, origin)
         ssl_ctx: ssl.SSLContext | None = None
@@ -508,7 +535,7 @@ class UpstreamPool:
         except TimeoutError:
             self._release_slot()
             where = f"{origin.host}:{origin.port}"
-            raise ConnectFailed(f"connect to {where} timed out after {connect_timeout:g} s") from None
+            raise ConnectTimedOut(f"connect to {where} timed out after {connect_timeout:g} s") from None
         except OSError as exc:
             self._release_slot()
             raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {exc}") from None
