@@ -344,7 +344,8 @@ async def test_exists_of_many_keys_is_one_pipeline_on_one_connection(
 
 
 async def test_calls_on_the_wire_at_once_are_bounded(redis_server: RedisServer, raw: aioredis.Redis) -> None:
-    tier = RedisTier(redis_server.url, prefix="bounded:", read_connections=2, max_connections=3)
+    # As many idle connections kept as may be in use: the count opened is the count in use at once.
+    tier = RedisTier(redis_server.url, prefix="bounded:", read_connections=3, max_connections=3)
     await tier.start()
     await tier.put_many([(key(i), payload(i, 100)) for i in range(4)])
     before = await connections_received(raw)
