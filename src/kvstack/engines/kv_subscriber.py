@@ -8,19 +8,32 @@ each rank is its own source.
 What is delivered to the sink, per engine (the sink keys its entries by engine URL):
 - ``apply(engine, batch)`` for every batch, in sequence order, each exactly once;
 - ``reset(engine, reason)`` whenever the sink's view of that engine can no longer be trusted: a sequence
-  gap the engine cannot replay, a publisher restart (seq went back), a lost connection, a subscriber
-  stopped. After a reset the view is rebuilt from the events that follow (and a replay when available).
+  gap the engine cannot replay (``gap``), a publisher restart (``restart``: seq went back), a connection
+  lost for longer than ``disconnect_grace`` seconds (``disconnected``), a batch the sink rejected. After a
+  reset the view is rebuilt from the events that follow (and a replay when available).
+Once ``close``/``stop`` returns the sink hears nothing more from the subscriber.
 
-Sequence rules (`SequenceTracker`, pure): PUB/SUB never reorders, so on the SUB socket seq only grows
-within one publisher's life. A seq at or below the last one received means the publisher restarted. A seq
-beyond the next expected one is a gap: with a replay endpoint the missing batches are fetched (vLLM's
-DEALER/ROUTER protocol) and applied; if the replay does not cover the gap, the engine's entries are reset.
-Batches the replay already delivered are skipped when they also arrive on SUB.
+Sequence rules (`SequenceTracker`, pure, one per source): PUB/SUB never reorders, so on the SUB socket seq
+only grows within one publisher's life. The next seq is applied. A seq beyond it is a gap: with a replay
+endpoint the missing batches are fetched (vLLM's DEALER/ROUTER protocol) and applied, never past the live
+batch that revealed the gap; if the replay does not cover the gap, the engine's entries are reset. A seq at
+or just below the last one received (within ``duplicate_window``) is a duplicate and skipped; one back to
+0, further back, or after a dropped connection means the publisher restarted. A source's first batch
+replays from seq 0 and resets nothing (the other ranks' entries stay).
 
 ZMQ reconnects by itself with growing intervals (``RECONNECT_IVL`` → ``RECONNECT_IVL_MAX``); a socket
-monitor tells the subscriber when the connection dropped, and the next message triggers a resync (the
-engine may have restarted meanwhile). Resolving sources over HTTP is retried with exponential backoff.
-A malformed message is counted and skipped; nothing a peer sends can stop the subscriber.
+monitor reports dropped connections. A short drop keeps the source's sequence state, so the next batch
+continues or fills the gap by replay; a drop longer than ``disconnect_grace`` resets the engine (it may be
+dead, or restarting with an empty cache). A restart faster than the grace period that resumes past the old
+seq cannot be told from a blip; vLLM takes far longer to restart. Resolving sources over HTTP is retried
+with exponential backoff. A malformed message, one over ``max_message_bytes`` (dropped by ZMQ, which then
+closes the connection; the subscriber connects again after the grace period) or a batch with more than
+``max_blocks_per_batch`` blocks is counted (decode error) and skipped; an unknown event type is logged once
+per type and counted in ``unknown_events``, a duplicate in ``duplicates``. Nothing a peer sends can stop
+the subscriber.
+
+Parameters (defaults): ``disconnect_grace`` 3.0 s, ``duplicate_window`` 16 batches, ``max_message_bytes``
+4 MiB (SUB and replay sockets), ``max_blocks_per_batch`` 65536, ``replay_timeout`` 5.0 s.
 """
 
 from __future__ import annotations
@@ -41,6 +54,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvstack.engines.kv_events import (
     REPLAY_END_SEQ,
+    AllBlocksCleared,
     EventBatch,
     KVEventDecodeError,
     decode_batch,
@@ -91,15 +105,30 @@ def replace_wildcard(endpoint: str, engine_url: str) -> str:
 
 
 def resolve_sources(engine_url: str, sources: object) -> list[EventSource]:
-    """The event sources in an engine's ``/kv_event_sources`` answer (``{rank: KVEventsConfig}``).
+    """The event sources in an engine's ``/kv_event_sources`` answer.
 
-    Ranks whose config disables events or names no endpoint are left out; wildcard hosts become the
-    engine's host. Raises ValueError when the answer is not that shape.
+    Two shapes: vLLM 0.32's ``{rank: KVEventsConfig}``, where each rank's TCP port is rank 0's plus the
+    rank, and later vLLM's list of resolved endpoints ``[{"data_parallel_rank", "endpoint",
+    "replay_endpoint", "topic"}]`` (also wrapped as ``{"sources": [...]}``), used as given. Entries that
+    disable events or name no endpoint are left out; wildcard hosts become the engine's host. Raises
+    ValueError when the answer is neither shape.
     """
-    if not isinstance(sources, Mapping):
-        raise ValueError(f"/kv_event_sources of {engine_url} is not a JSON object")
+    if isinstance(sources, Mapping) and set(sources) == {"sources"}:
+        sources = sources["sources"]
+    if isinstance(sources, list):
+        entries: list[tuple[object, object]] = []
+        for index, cfg in enumerate(sources):
+            if not isinstance(cfg, Mapping):
+                raise ValueError(f"/kv_event_sources of {engine_url}: entry {index} is not an object")
+            entries.append((cfg.get("data_parallel_rank"), cfg))
+        per_rank_ports = False
+    elif isinstance(sources, Mapping):
+        entries = list(sources.items())
+        per_rank_ports = True
+    else:
+        raise ValueError(f"/kv_event_sources of {engine_url} is neither a JSON object nor a list")
     out: list[EventSource] = []
-    for rank_key, cfg in sources.items():
+    for rank_key, cfg in entries:
         if not isinstance(cfg, Mapping):
             raise ValueError(f"/kv_event_sources of {engine_url}: rank {rank_key} is not an object")
         if cfg.get("enable_kv_cache_events") is False or cfg.get("publisher", "zmq") != "zmq":
@@ -108,20 +137,26 @@ def resolve_sources(engine_url: str, sources: object) -> list[EventSource]:
         if not isinstance(endpoint, str) or not endpoint:
             continue
         replay_ep = cfg.get("replay_endpoint")
-        try:
-            rank: int | None = int(rank_key)
-        except (TypeError, ValueError):
-            rank = None
-        # With data parallelism vLLM offsets each rank's TCP port; its config shows rank 0's.
-        endpoint = replace_wildcard(_offset_port(endpoint, rank), engine_url)
+        rank = _rank(rank_key)
+        # vLLM 0.32 offsets each DP rank's TCP port but its config shows rank 0's; the list shape is resolved.
+        offset = rank if per_rank_ports else None
+        endpoint = replace_wildcard(_offset_port(endpoint, offset), engine_url)
         replay_endpoint = (
-            replace_wildcard(_offset_port(replay_ep, rank), engine_url)
+            replace_wildcard(_offset_port(replay_ep, offset), engine_url)
             if isinstance(replay_ep, str) and replay_ep
             else None
         )
         topic = cfg.get("topic")
         out.append(EventSource(endpoint, replay_endpoint, topic if isinstance(topic, str) else "", rank))
     return out
+
+
+def _rank(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.isdigit():
+        return int(value)
+    return None
 
 
 def _offset_port(endpoint: str, rank: int | None) -> str:
@@ -183,35 +218,51 @@ class _NoObserver:
 
 
 class SeqVerdict(enum.Enum):
-    FIRST = "first"  # nothing received yet from this publisher (or since a resync)
+    FIRST = "first"  # nothing received yet from this publisher (or since a reset)
     NEXT = "next"  # exactly the next batch
     ALREADY_APPLIED = "already_applied"  # a replay delivered it before SUB did
+    DUPLICATE = "duplicate"  # the last batch again, or one just before it: skip
     GAP = "gap"  # batches between the last applied and this one are missing
     RESTART = "restart"  # seq went back: a new publisher
 
 
 class SequenceTracker:
-    """Per-source sequence state. Pure: the subscriber asks, acts, then records what it applied."""
+    """Per-source sequence state. Pure: the subscriber asks, acts, then records what it applied.
 
-    __slots__ = ("applied", "received")
+    A seq up to ``duplicate_window - 1`` below the last received one (not 0, not after a dropped
+    connection) is a duplicate; further back is a restart.
+    """
 
-    def __init__(self) -> None:
+    __slots__ = ("applied", "duplicate_window", "interrupted", "received")
+
+    def __init__(self, duplicate_window: int = 16) -> None:
         self.received: int | None = None  # last seq seen on SUB
         self.applied: int | None = None  # last seq applied to the sink (SUB or replay)
+        self.interrupted = False  # the connection dropped since the last message
+        self.duplicate_window = duplicate_window
 
     def classify(self, seq: int) -> SeqVerdict:
-        if self.received is None or self.applied is None:
+        received, applied = self.received, self.applied
+        if received is None or applied is None:
             return SeqVerdict.FIRST
-        if seq <= self.received:
+        if seq <= received:
+            # Within one connection PUB/SUB cannot go back: a repeat comes from a proxy or a replay race.
+            if seq > 0 and not self.interrupted and received - seq < self.duplicate_window:
+                return SeqVerdict.DUPLICATE
             return SeqVerdict.RESTART
-        if seq <= self.applied:
+        if seq <= applied:
             return SeqVerdict.ALREADY_APPLIED
-        if seq == self.applied + 1:
+        if seq == applied + 1:
             return SeqVerdict.NEXT
         return SeqVerdict.GAP
 
+    def disconnected(self) -> None:
+        """The connection dropped: until the next message, a seq going back means a restart."""
+        self.interrupted = True
+
     def forget(self) -> None:
         self.received = self.applied = None
+        self.interrupted = False
 
 
 @dataclass(slots=True)
@@ -225,16 +276,24 @@ async def replay(
     replay_endpoint: str,
     start_seq: int,
     *,
+    end_seq: int | None = None,
     timeout: float = 5.0,  # noqa: ASYNC109 - one budget for the whole exchange, applied inside
     max_batches: int = 20_000,
+    max_message_bytes: int = -1,
+    on_unknown: Callable[[str], None] | None = None,
 ) -> ReplayResult:
-    """Ask a publisher's replay service for every buffered batch with seq >= ``start_seq``.
+    """Ask a publisher's replay service for every buffered batch with seq >= ``start_seq`` (and below
+    ``end_seq``, when given: the exchange ends at the first batch at or past it). Replies longer than
+    ``max_message_bytes`` (-1: no limit) make ZMQ drop the connection, so the exchange times out.
 
-    Raises TimeoutError when the service does not finish within ``timeout`` seconds (for instance when
-    nothing listens there: ZMQ queues the request and waits for a peer).
+    Replies are ``[b"", topic, seq, payload]`` (vLLM 0.32) or ``[b"", seq, payload]`` (other vLLM
+    versions); the end marker is seq -1 with an empty payload. Raises TimeoutError when the service does
+    not finish within ``timeout`` seconds (for instance when nothing listens there: ZMQ queues the request
+    and waits for a peer).
     """
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     out = ReplayResult([])
     try:
         sock.connect(replay_endpoint)
@@ -242,24 +301,28 @@ async def replay(
             await sock.send_multipart([b"", encode_seq(start_seq)])
             while True:
                 frames = await sock.recv_multipart()
-                if len(frames) != 4:
+                if len(frames) not in (3, 4) or frames[0]:
                     out.decode_errors += 1
                     continue
                 try:
-                    seq = decode_seq(frames[2])
+                    seq = decode_seq(frames[-2])
                 except KVEventDecodeError:
                     out.decode_errors += 1
                     continue
-                if seq == REPLAY_END_SEQ:
+                if seq == REPLAY_END_SEQ or (end_seq is not None and seq >= end_seq):
                     return out
                 try:
-                    out.batches.append((seq, decode_batch(frames[3])))
+                    out.batches.append((seq, decode_batch(frames[-1], on_unknown=on_unknown)))
                 except KVEventDecodeError:
                     out.decode_errors += 1
                 if len(out.batches) > max_batches:
                     raise TimeoutError(f"replay from {replay_endpoint} sent more than {max_batches} batches")
     finally:
         sock.close(linger=0)
+
+
+def _block_count(batch: EventBatch) -> int:
+    return sum(len(event.block_hashes) for event in batch.events if not isinstance(event, AllBlocksCleared))
 
 
 class KVEventSubscriber:
@@ -279,9 +342,14 @@ class KVEventSubscriber:
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
         resolve_backoff: tuple[float, float] = (0.5, 30.0),
+        disconnect_grace: float = 3.0,
+        duplicate_window: int = 16,
+        max_message_bytes: int = 4 << 20,
+        max_blocks_per_batch: int = 65_536,
     ) -> None:
         """``sources`` when configured; else ``fetch_sources`` (an async callable returning them) is
-        retried with exponential backoff until it yields at least one source."""
+        retried with exponential backoff until it yields at least one source. The limits are described
+        in the module docstring."""
         if not sources and fetch_sources is None:
             raise ValueError(f"engine {engine}: KV events need sources or a way to fetch them")
         self.engine = engine
@@ -295,18 +363,32 @@ class KVEventSubscriber:
         self.reconnect_ivl_ms = reconnect_ivl_ms
         self.reconnect_ivl_max_ms = reconnect_ivl_max_ms
         self.resolve_backoff = resolve_backoff
+        self.disconnect_grace = disconnect_grace
+        self.duplicate_window = duplicate_window
+        self.max_message_bytes = max_message_bytes
+        self.max_blocks_per_batch = max_blocks_per_batch
         self.connected = False
         self.batches = 0
+        self.duplicates = 0  # batches skipped as repeats of ones already applied
+        self.unknown_events = 0  # events of a type kvstack does not know, skipped
+        self._unknown_types: set[str] = set()
+        self._closed = False
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        if self._task is None:
+        if self._task is None and not self._closed:
             self._task = asyncio.get_running_loop().create_task(self._run(), name=f"kv-events {self.engine}")
 
+    def close(self) -> None:
+        """Stop now: from here on the sink hears nothing from this subscriber (``stop`` also waits)."""
+        self._closed = True
+        if self._task is not None:
+            self._task.cancel()
+
     async def stop(self) -> None:
+        self.close()
         task, self._task = self._task, None
         if task is not None:
-            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 
@@ -340,40 +422,64 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.RCVHWM, self.rcv_hwm)
         sub.setsockopt(zmq.RECONNECT_IVL, self.reconnect_ivl_ms)
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
         monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(source.endpoint)
-        tracker = SequenceTracker()
+        tracker = SequenceTracker(self.duplicate_window)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
+        lost: asyncio.TimerHandle | None = None  # the reset pending while the connection is down
         try:
             while True:
                 ready = dict(await poller.poll())
-                if monitor in ready:
-                    self._on_monitor(await monitor.recv_multipart(), tracker)
+                # All pending monitor events first: a batch is judged after the drop that preceded it.
+                while monitor in ready and _readable(monitor):
+                    event = _monitor_event(await monitor.recv_multipart())
+                    if event == zmq.EVENT_CONNECTED:
+                        if lost is not None:
+                            lost.cancel()
+                            lost = None
+                        self.connected = True
+                        self.observer.kv_connected(self.engine, True)
+                    elif event == zmq.EVENT_DISCONNECTED:
+                        self.connected = False
+                        self.observer.kv_connected(self.engine, False)
+                        tracker.disconnected()
+                        if lost is not None:
+                            lost.cancel()
+                        lost = asyncio.get_running_loop().call_later(
+                            self.disconnect_grace, self._connection_lost, source, tracker, sub
+                        )
                 if sub in ready:
                     frames = await sub.recv_multipart()
                     await self._on_message(source, tracker, frames)
         finally:
+            if lost is not None:
+                lost.cancel()
             with contextlib.suppress(zmq.ZMQError):
                 sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
 
-    def _on_monitor(self, frames: list[bytes], tracker: SequenceTracker) -> None:
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except Exception:  # pyzmq raises plain errors on odd frames; a monitor glitch is not worth dying for
-            return
-        if event == zmq.EVENT_CONNECTED:
-            self.connected = True
-            self.observer.kv_connected(self.engine, True)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.connected = False
-            self.observer.kv_connected(self.engine, False)
-            # Whatever follows may come from a restarted engine: resync on the next message.
-            tracker.forget()
+    def _connection_lost(
+        self, source: EventSource, tracker: SequenceTracker, sub: zmq.asyncio.Socket
+    ) -> None:
+        """The connection stayed down past the grace period: the engine may be gone or restarting empty."""
+        log.info(
+            "engine %s: KV events from %s lost for over %.1fs; dropping its entries",
+            self.engine,
+            source.endpoint,
+            self.disconnect_grace,
+        )
+        tracker.forget()
+        self._reset("disconnected")
+        # ZMQ does not reconnect after a protocol error (a message over MAXMSGSIZE): connect afresh. After
+        # an ordinary drop this only restarts ZMQ's own reconnect attempts.
+        with contextlib.suppress(zmq.ZMQError):
+            sub.disconnect(source.endpoint)
+        sub.connect(source.endpoint)
 
     async def _on_message(self, source: EventSource, tracker: SequenceTracker, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -384,19 +490,41 @@ class KVEventSubscriber:
             return
         try:
             seq = decode_seq(frames[1])
-            batch = decode_batch(frames[2])
+            batch = decode_batch(frames[2], on_unknown=self._unknown_event)
         except KVEventDecodeError as exc:
+            # The batch's changes are lost: treat it as missing so a later batch sees a gap.
             self.observer.kv_decode_error(self.engine)
             log.warning("engine %s: undecodable KV event message skipped: %s", self.engine, exc)
-            # The batch's changes are lost: treat it as missing so a later batch sees a gap.
+            return
+        # Every block hash takes at least one byte: only a payload that long can hold too many blocks.
+        if len(frames[2]) > self.max_blocks_per_batch and _block_count(batch) > self.max_blocks_per_batch:
+            self.observer.kv_decode_error(self.engine)
+            log.warning(
+                "engine %s: KV event batch %d has more than %d blocks; skipped",
+                self.engine,
+                seq,
+                self.max_blocks_per_batch,
+            )
             return
         verdict = tracker.classify(seq)
-        if verdict is SeqVerdict.ALREADY_APPLIED:
-            tracker.received = seq
-            return
         if verdict is SeqVerdict.NEXT:
             self._apply(tracker, seq, batch)
             tracker.received = seq
+            tracker.interrupted = False
+            return
+        await self._resync(source, tracker, verdict, seq, batch)
+
+    async def _resync(
+        self, source: EventSource, tracker: SequenceTracker, verdict: SeqVerdict, seq: int, batch: EventBatch
+    ) -> None:
+        """Every verdict but NEXT: skip, reset, or fill what is missing before applying ``batch``."""
+        tracker.interrupted = False
+        if verdict is SeqVerdict.ALREADY_APPLIED:
+            tracker.received = seq
+            return
+        if verdict is SeqVerdict.DUPLICATE:
+            self.duplicates += 1
+            log.debug("engine %s: KV event batch %d received again; skipped", self.engine, seq)
             return
         if verdict is SeqVerdict.RESTART:
             log.info("engine %s: KV event seq went back to %d: publisher restarted", self.engine, seq)
@@ -404,37 +532,42 @@ class KVEventSubscriber:
             tracker.forget()
             start = 0
         elif verdict is SeqVerdict.FIRST:
-            # A fresh view: drop what an earlier connection taught, then rebuild from the oldest batch
-            # the engine can still replay (blocks stored before that stay unknown; never wrong).
-            if seq > 0 or self.batches > 0:
-                self._reset("resync")
+            # Nothing from this source is in the sink yet: rebuild from the oldest batch it can replay
+            # (blocks stored before that stay unknown; never wrong). Other sources' entries stay.
             start = 0
         else:  # GAP
             assert tracker.applied is not None
             start = tracker.applied + 1
             self.observer.kv_gap(self.engine, seq - start)
             log.info("engine %s: KV events %d..%d missing", self.engine, start, seq - 1)
-        if (
-            seq > start
-            and source.replay_endpoint is not None
-            and await self._replay(source, tracker, start, seq)
-        ):
-            tracker.received = seq
-            if tracker.applied is not None and tracker.applied >= seq:
-                return
-            self._apply(tracker, seq, batch)
-            return
-        if seq > start and verdict is SeqVerdict.GAP:
+        filled = seq == start or (
+            source.replay_endpoint is not None and await self._replay(source, tracker, start, seq, verdict)
+        )
+        if not filled and verdict is SeqVerdict.GAP:
             # Nothing fills the gap: the engine's entries may be stale (a missed BlockRemoved); drop them.
             self._reset("gap")
         self._apply(tracker, seq, batch)
         tracker.received = seq
 
-    async def _replay(self, source: EventSource, tracker: SequenceTracker, start: int, seq: int) -> bool:
-        """Apply the missing batches from the replay service; True when they covered ``start..seq-1``."""
+    async def _replay(
+        self, source: EventSource, tracker: SequenceTracker, start: int, seq: int, verdict: SeqVerdict
+    ) -> bool:
+        """Apply the replayed batches that lead up to ``seq``; True when they did.
+
+        Only a contiguous run ending at ``seq - 1`` is applied, all or nothing. For a gap it must also
+        begin at ``start``; for a fresh source it begins wherever the publisher's buffer does.
+        """
         assert source.replay_endpoint is not None
         try:
-            result = await replay(self.context, source.replay_endpoint, start, timeout=self.replay_timeout)
+            result = await replay(
+                self.context,
+                source.replay_endpoint,
+                start,
+                end_seq=seq,
+                timeout=self.replay_timeout,
+                max_message_bytes=self.max_message_bytes,
+                on_unknown=self._unknown_event,
+            )
         except (TimeoutError, zmq.ZMQError) as exc:
             self.observer.kv_replay(self.engine, "failed")
             log.warning(
@@ -443,24 +576,22 @@ class KVEventSubscriber:
             return False
         for _ in range(result.decode_errors):
             self.observer.kv_decode_error(self.engine)
-        batches = result.batches
-        if start > 0 and (not batches or batches[0][0] != start):
-            # The buffer no longer holds the first missing batch: what it has cannot fill the gap.
-            self.observer.kv_replay(self.engine, "incomplete")
+        run = _contiguous_run(result.batches, seq)
+        leads_up = bool(run) and run[-1][0] == seq - 1
+        from_start = bool(run) and run[0][0] == start
+        self.observer.kv_replay(self.engine, "ok" if leads_up and from_start else "incomplete")
+        if not leads_up or (verdict is SeqVerdict.GAP and not from_start):
             return False
-        expected = batches[0][0] if batches else start
-        for replayed_seq, replayed in batches:
-            if replayed_seq != expected:
-                break
+        if any(_block_count(replayed) > self.max_blocks_per_batch for _, replayed in run):
+            self.observer.kv_decode_error(self.engine)
+            return False
+        for replayed_seq, replayed in run:
             self._apply(tracker, replayed_seq, replayed)
-            expected += 1
-        covered = expected >= seq
-        self.observer.kv_replay(self.engine, "ok" if covered else "incomplete")
-        if not covered and start > 0:
-            return False
-        return covered
+        return True
 
     def _apply(self, tracker: SequenceTracker, seq: int, batch: EventBatch) -> None:
+        if self._closed:  # an engine_removed ran while this message was in flight
+            return
         tracker.applied = seq
         self.batches += 1
         self.observer.kv_batch(self.engine, batch)
@@ -476,5 +607,45 @@ class KVEventSubscriber:
             self._reset("rejected")
 
     def _reset(self, reason: str) -> None:
+        if self._closed:
+            return
         self.observer.kv_reset(self.engine, reason)
         self.sink.reset(self.engine, reason)
+
+    def _unknown_event(self, type_name: str) -> None:
+        self.unknown_events += 1
+        if type_name in self._unknown_types or len(self._unknown_types) >= _MAX_UNKNOWN_TYPES_LOGGED:
+            return
+        self._unknown_types.add(type_name)
+        log.warning(
+            "engine %s: skipping KV events of unknown type %r (newer vLLM than kvstack knows?); "
+            "further ones are counted, not logged",
+            self.engine,
+            type_name,
+        )
+
+
+_MAX_UNKNOWN_TYPES_LOGGED = 64  # a peer inventing type names must not grow the set without bound
+
+
+def _contiguous_run(batches: list[tuple[int, EventBatch]], end: int) -> list[tuple[int, EventBatch]]:
+    """The batches from the first one on while their seqs follow each other, all below ``end``."""
+    run: list[tuple[int, EventBatch]] = []
+    for item in batches:
+        if item[0] >= end or (run and item[0] != run[-1][0] + 1):
+            break
+        run.append(item)
+    return run
+
+
+def _readable(sock: zmq.asyncio.Socket) -> bool:
+    events = sock.get(zmq.EVENTS)
+    return isinstance(events, int) and bool(events & zmq.POLLIN)
+
+
+def _monitor_event(frames: list[bytes]) -> int | None:
+    try:
+        event: int = parse_monitor_message(frames)["event"]
+    except Exception:  # pyzmq raises plain errors on odd frames; a monitor glitch is not worth dying for
+        return None
+    return event

@@ -3,8 +3,9 @@
 An engine's events come from its configured endpoint (``Endpoint.kv_events_endpoint``: static config or a
 pod annotation) or, when none is configured, from what its ``/kv_event_sources`` says (asked again with
 backoff until it answers; an engine that publishes nothing is asked again at the slowest pace). Once
-sources are known the engine's routing knowledge is "kv-events". Removing an engine stops its subscriber
-and drops its index entries.
+sources are known the engine's routing knowledge is "kv-events". Removing an engine closes its subscriber
+at once (nothing it still receives reaches the index) and drops its index entries, so an engine added
+again under the same URL starts clean.
 """
 
 from __future__ import annotations
@@ -118,8 +119,10 @@ class KVEventFeeds:
         return location
 
     def engine_removed(self, url: str) -> None:
+        """Stop the engine's subscriber and drop its entries; no event of it reaches the index after this."""
         entry = self._subscribers.pop(url, None)
         if entry is not None:
+            entry[1].close()  # at once: a message already in flight must not re-create the entries
             task = asyncio.get_running_loop().create_task(entry[1].stop())
             self._stopping.add(task)
             task.add_done_callback(self._stopping.discard)
