@@ -448,3 +448,38 @@ def test_headers_the_connection_header_names_are_not_forwarded() -> None:
         ("Content-Type", "application/json"),
         ("x-request-id", "rid-1"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("type", "nonsense"), ("type", 5), ("node", 5), ("node", ""), ("kv_events_endpoint", "127.0.0.1:5557")],
+)
+async def test_admin_add_checks_every_field(sims: list[RunningEngine], field: str, value: Any) -> None:
+    router = await router_for(Endpoint(sims[0].url))
+    try:
+        async with aiohttp.ClientSession() as http:
+            add = {"url": sims[1].url, field: value}
+            async with http.post(f"{router.url}/admin/engines", json=add) as r:
+                body = await r.json()
+                assert r.status == 400 and body["error"]["param"] == field, body
+            # An engine type in another case is the same type (as on the command line and in YAML).
+            async with http.post(
+                f"{router.url}/admin/engines", json={"url": sims[1].url, "type": "VLLM"}
+            ) as r:
+                assert r.status == 200
+            assert router.app.registry.get(sims[1].url).state.endpoint.engine_type == "vllm"
+    finally:
+        await router.stop()
+
+
+async def test_models_given_for_an_engine_are_kept_not_replaced_by_its_own_list(
+    sims: list[RunningEngine],
+) -> None:
+    router = await router_for(Endpoint(sims[0].url, models=frozenset({"only-this"})), Endpoint(sims[1].url))
+    try:
+        await wait_models(router, 2)  # the second engine's models are learned from its /v1/models
+        await asyncio.sleep(0.5)  # past the first /v1/models refresh, which used to overwrite given models
+        models = {e.state.url: e.state.endpoint.models for e in router.app.registry}
+        assert models == {sims[0].url: {"only-this"}, sims[1].url: {MODEL}}
+    finally:
+        await router.stop()

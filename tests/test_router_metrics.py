@@ -13,14 +13,32 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstack.router.metrics import LATENCY_BUCKETS, LeanHotSeries, RouterMetrics, WorkerHotSeries
+from kvstack.router.metrics import (
+    ENGINE_SERIES,
+    LATENCY_BUCKETS,
+    LeanHotSeries,
+    RouterMetrics,
+    WorkerHotSeries,
+)
+
+
+def _drop_series(metric: Any, engine: str) -> None:
+    for labels in list(metric._metrics):
+        if dict(zip(metric._labelnames, labels, strict=True)).get("engine") == engine:
+            metric.remove(*labels)
 
 
 class PrometheusReference:
-    """The same five series as prometheus_client metrics: what the lean ones must render."""
+    """The same series as prometheus_client metrics: what the lean ones must render. Updates for an engine
+    removed and not added again are ignored, as the router's are."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
         r = registry
+        self.forgotten: set[str] = set()
+        self.engine_series: dict[str, Any] = {
+            name: (Counter if kind == "counter" else Gauge)(name, doc, list(labels), registry=r)
+            for name, (doc, labels, kind) in ENGINE_SERIES.items()
+        }
         self.requests = Counter(
             "kvstack_router_requests",
             "Requests answered, by model, engine and HTTP status.",
@@ -55,23 +73,44 @@ class PrometheusReference:
         )
 
     def request_done(self, model: str, engine: str, status: str) -> None:
-        self.requests.labels(model, engine, status).inc()
+        if engine not in self.forgotten:
+            self.requests.labels(model, engine, status).inc()
 
     def observe_latency(self, model: str, first_byte: float, total: float) -> None:
         self.ttft.labels(model).observe(first_byte)
         self.e2e.labels(model).observe(total)
 
     def decision(self, profile: str, engine: str) -> None:
-        self.decisions.labels(profile, engine).inc()
+        if engine not in self.forgotten:
+            self.decisions.labels(profile, engine).inc()
 
     def engine_in_flight(self, engine: str) -> Any:
-        return self.in_flight.labels(engine)
+        return (
+            Gauge("unregistered", "", registry=None)
+            if engine in self.forgotten
+            else self.in_flight.labels(engine)
+        )
+
+    def count(self, family: str, labels: tuple[str, ...], n: float = 1.0) -> None:
+        if labels[0] not in self.forgotten:
+            self.engine_series[family].labels(*labels).inc(n)
+
+    def set_gauge(self, family: str, labels: tuple[str, ...], value: float | None) -> None:
+        if value is None:
+            with contextlib.suppress(KeyError):
+                self.engine_series[family].remove(*labels)
+        elif labels[0] not in self.forgotten:
+            self.engine_series[family].labels(*labels).set(value)
+
+    def engine_added(self, engine: str) -> None:
+        self.forgotten.discard(engine)
 
     def forget_engine(self, engine: str) -> None:
+        self.forgotten.add(engine)
         with contextlib.suppress(KeyError):
             self.in_flight.remove(engine)
-        for metric in (self.requests, self.decisions):
-            RouterMetrics.drop_series(metric, engine)
+        for metric in (self.requests, self.decisions, *self.engine_series.values()):
+            _drop_series(metric, engine)
 
 
 def _lean() -> tuple[Any, CollectorRegistry]:
@@ -109,6 +148,15 @@ def _replay(series: Any, ops: list[tuple[Any, ...]]) -> None:
             getattr(series, op)(*args)
 
 
+def _engine_series_op(rng: random.Random, engine: str) -> tuple[Any, ...]:
+    name = rng.choice(list(ENGINE_SERIES))
+    _, labels, kind = ENGINE_SERIES[name]
+    values = (engine, *(rng.choice(["a", "b"]) for _ in labels[1:]))
+    if kind == "counter":
+        return ("count", name, values, float(rng.randrange(1, 4)))
+    return ("set_gauge", name, values, None if rng.random() < 0.2 else float(rng.randrange(3)))
+
+
 def _random_ops(rng: random.Random, n: int) -> list[tuple[Any, ...]]:
     engines = [f"http://10.0.0.{i}:8000" for i in range(4)]
     models = ["llama", "qwen", "other"]
@@ -117,7 +165,7 @@ def _random_ops(rng: random.Random, n: int) -> list[tuple[Any, ...]]:
     latencies = [0.0, 1e-6, 1e4, *edges]
     ops: list[tuple[Any, ...]] = []
     for _ in range(n):
-        kind = rng.randrange(5)
+        kind = rng.randrange(6)
         engine, model = rng.choice(engines), rng.choice(models)
         if kind == 0:
             ops.append(("request_done", model, engine, rng.choice(["200", "429", "502", "499"])))
@@ -128,10 +176,16 @@ def _random_ops(rng: random.Random, n: int) -> list[tuple[Any, ...]]:
             ops.append(("decision", rng.choice(["default", "prefill", "decode"]), engine))
         elif kind == 3:
             ops.append(("in_flight", engine, rng.randrange(0, 50)))
+        elif kind == 4:
+            ops.append(_engine_series_op(rng, engine))
         else:
-            ops.append(
-                ("forget_engine", engine) if rng.random() < 0.05 else ("request_done", model, engine, "200")
-            )
+            roll = rng.random()
+            if roll < 0.05:
+                ops.append(("forget_engine", engine))
+            elif roll < 0.15:
+                ops.append(("engine_added", engine))
+            else:
+                ops.append(("request_done", model, engine, "200"))
     return ops
 
 
@@ -212,7 +266,14 @@ def test_circuit_gauge_follows_changes_and_a_removed_engine(monkeypatch: pytest.
         assert shown() == f'kvstack_router_circuit_state{{engine="http://a"}} {value}'
     metrics.forget_engine("http://a")
     assert "http://a" not in metrics.render().decode()
-    metrics.set_circuit("http://a", CircuitState.OPEN)  # the same URL added again: shown again
+    # A proxied attempt still running at the removal ends: it does not bring the series back.
+    metrics.set_circuit("http://a", CircuitState.OPEN)
+    metrics.upstream_error("http://a", "first_byte_timeout")
+    metrics.request_done("m", "http://a", "504")
+    metrics.on_scrape("http://a", False, 0.5, "timeout")
+    assert "http://a" not in metrics.render().decode()
+    metrics.engine_added("http://a")  # the same URL added again: shown again
+    metrics.set_circuit("http://a", CircuitState.OPEN)
     assert shown() == 'kvstack_router_circuit_state{engine="http://a"} 2.0'
 
 
@@ -228,8 +289,13 @@ def test_workers_render_the_sum_of_what_each_counted(tmp_path: Path) -> None:
     reference, reference_registry = _lean()
     rng = random.Random(12)
     for op in ops:
-        if op[0] == "forget_engine":
-            continue  # a removal reaches every worker; the split below would not say which one
+        if op[0] in ("forget_engine", "engine_added", "set_gauge"):
+            # Removals and additions reach every worker; gauges (circuit states, connections) are
+            # taken at their highest over the workers, so each worker is given the same value here.
+            for w in workers:
+                _replay(w, [op])
+            _replay(reference, [op])
+            continue
         worker = workers[rng.randrange(3)]
         if op[0] == "in_flight":
             # Each worker's own count for the engine; the reference holds their sum.

@@ -36,6 +36,7 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
+from kvstack.engines.catalog import CATALOGS
 from kvstack.engines.state import Endpoint, EngineRole, EngineState
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -64,6 +65,7 @@ PROXIED_PATHS = (
 )
 SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvstack-worker"
+ENGINE_TYPES = frozenset(c.engine_type for c in CATALOGS)
 REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
 
 
@@ -203,15 +205,23 @@ class RouterApp:
 
     # -- engine bookkeeping --------------------------------------------------------------------------
     def add_engine(self, endpoint: Endpoint) -> None:
-        """Add or update an engine; models it does not name are learned from its /v1/models."""
+        """Add or update an engine. Models it names are kept as given (an operator may limit an engine to
+        some of its models, or route an alias); models it does not name are learned from its /v1/models."""
+        configured = bool(endpoint.models)
         existing = self.registry.get(endpoint.url)
         if existing is not None and not endpoint.models and existing.state.endpoint.models:
             endpoint = _replace_models(endpoint, existing.state.endpoint.models)
         entry = self.registry.upsert(endpoint)
+        self.metrics.engine_added(endpoint.url)
         self.metrics.set_circuit(endpoint.url, entry.breaker.state)
         for listener in self.listeners:
             listener.engine_added(endpoint)
-        if endpoint.url not in self._model_tasks:
+        task = self._model_tasks.get(endpoint.url)
+        if configured:
+            if task is not None:
+                del self._model_tasks[endpoint.url]
+                task.cancel()
+        elif task is None:
             self._model_tasks[endpoint.url] = asyncio.get_running_loop().create_task(
                 self._refresh_models(endpoint.url)
             )
@@ -488,13 +498,26 @@ def _endpoint_of(body: dict[str, Any]) -> Endpoint:
     models = body.get("models") or []
     if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
         raise errors.bad_request("models must be a list of strings", "models")
+    engine_type = body.get("type", "vllm")
+    if not isinstance(engine_type, str) or engine_type.strip().lower() not in ENGINE_TYPES:
+        raise errors.bad_request(f"type must be one of {sorted(ENGINE_TYPES)}", "type")
+    node = body.get("node")
+    if node is not None and (not isinstance(node, str) or not node):
+        raise errors.bad_request("node must be a non-empty string", "node")
+    kv_events = body.get("kv_events_endpoint")
+    if kv_events is not None and (
+        not isinstance(kv_events, str) or not kv_events.startswith(("tcp://", "ipc://"))
+    ):
+        raise errors.bad_request(
+            "kv_events_endpoint must be a ZMQ endpoint, tcp://host:port or ipc://path", "kv_events_endpoint"
+        )
     return Endpoint(
         url=url.rstrip("/"),
-        engine_type=str(body.get("type", "vllm")),
+        engine_type=engine_type.strip().lower(),
         role=role,
         models=frozenset(models),
-        node=body.get("node"),
-        kv_events_endpoint=body.get("kv_events_endpoint"),
+        node=node,
+        kv_events_endpoint=kv_events,
     )
 
 

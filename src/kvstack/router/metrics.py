@@ -12,15 +12,21 @@ loop is their only writer, so `LeanHotSeries` keeps them as plain numbers in dic
 metric families only when /metrics is read; the names, labels and samples are those prometheus_client would
 render (a test compares the two). With several workers each keeps its own the same way (`WorkerHotSeries`):
 /metrics on any worker has the others write theirs to the group directory and renders the sums.
+
+Every series labelled by engine (circuit state, upstream and scrape errors, missing metric names, KV event
+counts) is kept the same way (`ENGINE_SERIES`): engines come and go, and their series must go with them,
+which prometheus_client cannot do for multiprocess values. A removed engine's series are dropped, and
+updates that arrive for it afterwards (a request or scrape still in flight at the removal) are ignored
+until an engine is added at that URL again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Protocol
@@ -57,6 +63,62 @@ _E2E = ("kvstack_router_request_duration_seconds", "Time from request arrival to
 _IN_FLIGHT = ("kvstack_router_in_flight_requests", "Requests sent to an engine and not finished.")
 _DECISIONS = ("kvstack_router_routing_decisions", "Routing decisions by scheduling profile and engine.")
 _DECISION_LABELS = ("profile", "engine")
+_COUNTER, _GAUGE = "counter", "gauge"
+# Series labelled by engine (always their first label): name -> (help, label names, kind). Workers' counters
+# are summed, their gauges take the highest value.
+ENGINE_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
+    "kvstack_router_circuit_state": (
+        "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
+        ("engine",),
+        _GAUGE,
+    ),
+    "kvstack_router_upstream_errors": (
+        "Failed attempts against engines, by engine and reason.",
+        ("engine", "reason"),
+        _COUNTER,
+    ),
+    "kvstack_engine_scrape_errors": (
+        "Failed /metrics scrapes, by engine and reason.",
+        ("engine", "reason"),
+        _COUNTER,
+    ),
+    "kvstack_engine_metric_missing": (
+        "1 while an engine does not export a metric its catalog expects.",
+        ("engine", "metric"),
+        _GAUGE,
+    ),
+    "kvstack_kv_events": (
+        "KV events received from engines, by engine and event type.",
+        ("engine", "type"),
+        _COUNTER,
+    ),
+    "kvstack_kv_event_gaps": (
+        "Sequence gaps in an engine's KV event stream (batches missed).",
+        ("engine",),
+        _COUNTER,
+    ),
+    "kvstack_kv_event_replays": (
+        "KV event replays asked of an engine, by result (ok, incomplete, failed).",
+        ("engine", "result"),
+        _COUNTER,
+    ),
+    "kvstack_kv_event_decode_errors": (
+        "KV event messages that could not be decoded and were skipped.",
+        ("engine",),
+        _COUNTER,
+    ),
+    "kvstack_kv_event_resets": (
+        "Times an engine's prefix index entries were dropped, by reason (gap, restart, disconnected, ...).",
+        ("engine", "reason"),
+        _COUNTER,
+    ),
+    "kvstack_kv_events_connected": (
+        "1 while the router's KV event subscription to the engine is connected.",
+        ("engine",),
+        _GAUGE,
+    ),
+}
+_FORGOTTEN_MAX = 4096  # removed engines whose late updates are ignored (the most recent ones)
 
 
 class _Value:
@@ -91,6 +153,8 @@ class HotSnapshot(msgspec.Struct, array_like=True):
     ttft: list[tuple[str, list[int], float, float]]
     e2e: list[tuple[str, list[int], float, float]]
     in_flight: list[tuple[str, float]]
+    engine_series: list[tuple[str, list[str], float, float]] = []
+    """(family name, label values, value, creation time; 0 for gauges) of the `ENGINE_SERIES`."""
 
 
 class LeanHotSeries:
@@ -108,10 +172,16 @@ class LeanHotSeries:
         self._ttft: dict[str, _Histogram] = {}
         self._e2e: dict[str, _Histogram] = {}
         self._in_flight: dict[str, _Value] = {}
+        # ENGINE_SERIES: family -> label values -> [value, creation time (counters; 0 for gauges)].
+        self._engine_series: dict[str, dict[tuple[str, ...], list[float]]] = {n: {} for n in ENGINE_SERIES}
+        # Engines removed lately, newest last: updates for them are ignored (see the module docstring).
+        self.forgotten: OrderedDict[str, None] = OrderedDict()
         if registry is not None:
             registry.register(self)
 
     def request_done(self, model: str, engine: str, status: str) -> None:
+        if engine in self.forgotten:
+            return
         key = (model, engine, status)
         entry = self._requests.get(key)
         if entry is None:
@@ -131,6 +201,8 @@ class LeanHotSeries:
         e2e.total += total
 
     def decision(self, profile: str, engine: str) -> None:
+        if engine in self.forgotten:
+            return
         key = (profile, engine)
         entry = self._decisions.get(key)
         if entry is None:
@@ -140,15 +212,48 @@ class LeanHotSeries:
     def engine_in_flight(self, engine: str) -> InFlightGauge:
         gauge = self._in_flight.get(engine)
         if gauge is None:
-            gauge = self._in_flight[engine] = _Value()
+            gauge = _Value()
+            if engine not in self.forgotten:  # else a gauge nobody renders
+                self._in_flight[engine] = gauge
         return gauge
 
+    def count(self, family: str, labels: tuple[str, ...], n: float = 1.0) -> None:
+        """Add ``n`` to a counter of `ENGINE_SERIES` (``labels[0]`` is the engine)."""
+        if labels[0] in self.forgotten:
+            return
+        series = self._engine_series[family]
+        entry = series.get(labels)
+        if entry is None:
+            entry = series[labels] = [0.0, time.time()]
+        entry[0] += n
+
+    def set_gauge(self, family: str, labels: tuple[str, ...], value: float | None) -> None:
+        """Set a gauge of `ENGINE_SERIES` (``labels[0]`` is the engine); None removes the series."""
+        if value is None:
+            self._engine_series[family].pop(labels, None)
+        elif labels[0] not in self.forgotten:
+            self._engine_series[family][labels] = [value, 0.0]
+
+    def engine_labels(self, family: str, engine: str) -> list[tuple[str, ...]]:
+        """The label values of ``engine``'s series in ``family``."""
+        return [labels for labels in self._engine_series[family] if labels[0] == engine]
+
+    def engine_added(self, engine: str) -> None:
+        self.forgotten.pop(engine, None)
+
     def forget_engine(self, engine: str) -> None:
+        self.forgotten[engine] = None
+        self.forgotten.move_to_end(engine)
+        if len(self.forgotten) > _FORGOTTEN_MAX:
+            self.forgotten.popitem(last=False)
         self._in_flight.pop(engine, None)
         for key in [k for k in self._requests if k[1] == engine]:
             del self._requests[key]
         for pair in [k for k in self._decisions if k[1] == engine]:
             del self._decisions[pair]
+        for series in self._engine_series.values():
+            for labels in [k for k in series if k[0] == engine]:
+                del series[labels]
 
     def snapshot(self) -> HotSnapshot:
         return HotSnapshot(
@@ -157,6 +262,11 @@ class LeanHotSeries:
             ttft=[(m, h.counts, h.total, h.created) for m, h in self._ttft.items()],
             e2e=[(m, h.counts, h.total, h.created) for m, h in self._e2e.items()],
             in_flight=[(engine, gauge.value) for engine, gauge in self._in_flight.items()],
+            engine_series=[
+                (name, list(labels), value, created)
+                for name, series in self._engine_series.items()
+                for labels, (value, created) in series.items()
+            ],
         )
 
     def absorb(self, snap: HotSnapshot) -> None:
@@ -174,6 +284,19 @@ class LeanHotSeries:
                 histogram.created = min(histogram.created, created)
         for engine, value in snap.in_flight:
             self._in_flight.setdefault(engine, _Value()).value += value
+        for name, label_values, value, created in snap.engine_series:
+            family = self._engine_series.get(name)
+            if family is None:
+                continue  # a sibling running another version
+            key = tuple(label_values)
+            found = family.get(key)
+            if found is None:
+                family[key] = [value, created]
+            elif ENGINE_SERIES[name][2] == _COUNTER:
+                found[0] += value
+                found[1] = min(found[1], created)
+            else:
+                found[0] = max(found[0], value)
 
     # -- prometheus_client's Collector protocol
     def describe(self) -> list[Metric]:
@@ -194,6 +317,17 @@ class LeanHotSeries:
         for pair, (count, created) in self._decisions.items():
             decisions.add_metric(pair, count, created=created)
         yield decisions
+        for name, (doc, label_names, kind) in ENGINE_SERIES.items():
+            if kind == _COUNTER:
+                counters = CounterMetricFamily(name, doc, labels=label_names)
+                for labels, (count, created) in self._engine_series[name].items():
+                    counters.add_metric(labels, count, created=created)
+                yield counters
+            else:
+                gauges = GaugeMetricFamily(name, doc, labels=label_names)
+                for labels, (value, _) in self._engine_series[name].items():
+                    gauges.add_metric(labels, value)
+                yield gauges
 
     def _histogram_family(self, name: str, doc: str, series: dict[str, _Histogram]) -> HistogramMetricFamily:
         family = HistogramMetricFamily(name, doc, labels=("model",))
@@ -265,13 +399,6 @@ class RouterMetrics:
             ["reason"],
             registry=reg,
         )
-        self.circuit = Gauge(
-            "kvstack_router_circuit_state",
-            "Circuit breaker state: 0 closed, 1 half-open, 2 open.",
-            ["engine"],
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
         self.admission_rejections = Counter(
             "kvstack_router_admission_rejections",
             "Requests refused by admission control.",
@@ -284,66 +411,10 @@ class RouterMetrics:
             multiprocess_mode="livesum",
             registry=reg,
         )
-        self.upstream_errors = Counter(
-            "kvstack_router_upstream_errors",
-            "Failed attempts against engines, by engine and reason.",
-            ["engine", "reason"],
-            registry=reg,
-        )
-        self.scrape_errors = Counter(
-            "kvstack_engine_scrape_errors",
-            "Failed /metrics scrapes, by engine and reason.",
-            ["engine", "reason"],
-            registry=reg,
-        )
-        self.metric_missing = Gauge(
-            "kvstack_engine_metric_missing",
-            "1 while an engine does not export a metric its catalog expects.",
-            ["engine", "metric"],
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
         self.engines = Gauge(
             "kvstack_router_engines",
             "Engines known to the router, by routability.",
             ["state"],
-            multiprocess_mode="livemax",
-            registry=reg,
-        )
-        self.kv_events = Counter(
-            "kvstack_kv_events",
-            "KV events received from engines, by engine and event type.",
-            ["engine", "type"],
-            registry=reg,
-        )
-        self.kv_event_gaps = Counter(
-            "kvstack_kv_event_gaps",
-            "Sequence gaps in an engine's KV event stream (batches missed).",
-            ["engine"],
-            registry=reg,
-        )
-        self.kv_event_replays = Counter(
-            "kvstack_kv_event_replays",
-            "KV event replays asked of an engine, by result (ok, incomplete, failed).",
-            ["engine", "result"],
-            registry=reg,
-        )
-        self.kv_event_decode_errors = Counter(
-            "kvstack_kv_event_decode_errors",
-            "KV event messages that could not be decoded and were skipped.",
-            ["engine"],
-            registry=reg,
-        )
-        self.kv_event_resets = Counter(
-            "kvstack_kv_event_resets",
-            "Times an engine's prefix index entries were dropped, by reason (gap, restart, resync).",
-            ["engine", "reason"],
-            registry=reg,
-        )
-        self.kv_events_connected = Gauge(
-            "kvstack_kv_events_connected",
-            "1 while the router's KV event subscription to the engine is connected.",
-            ["engine"],
             multiprocess_mode="livemax",
             registry=reg,
         )
@@ -367,7 +438,7 @@ class RouterMetrics:
             registry=reg,
         )
 
-        # labels() takes a lock and validates on every call; the hot path reuses children instead.
+        # labels() takes a lock and validates on every call; repeated updates reuse children instead.
         self._children: dict[tuple[object, ...], Any] = {}
         self._circuit_states: dict[str, CircuitState] = {}
 
@@ -379,76 +450,57 @@ class RouterMetrics:
         return child
 
     def set_circuit(self, engine: str, state: CircuitState) -> None:
-        # Called after every proxied attempt; the gauge (a lock and a check) only when the state changed.
-        if self._circuit_states.get(engine) is not state:
+        # Called after every proxied attempt; the series is set only when the state changed.
+        if self._circuit_states.get(engine) is not state and engine not in self.hot.forgotten:
             self._circuit_states[engine] = state
-            self._child(self.circuit, engine).set(CIRCUIT_VALUES[state])
+            self.hot.set_gauge("kvstack_router_circuit_state", (engine,), CIRCUIT_VALUES[state])
+
+    def upstream_error(self, engine: str, reason: str) -> None:
+        self.hot.count("kvstack_router_upstream_errors", (engine, reason))
+
+    def engine_added(self, engine: str) -> None:
+        """An engine (again) at this URL: its series count from here on."""
+        self.hot.engine_added(engine)
 
     def forget_engine(self, engine: str) -> None:
-        """Drop every series labelled with an engine when it leaves (its request counts included), so
-        engines that come and go do not grow /metrics without bound."""
-        self._children = {k: v for k, v in self._children.items() if engine not in k[1:]}
+        """Drop every series labelled with an engine when it leaves (its request counts included), and
+        ignore late updates for it (see the module docstring), so engines that come and go do not grow
+        /metrics without bound."""
         self._circuit_states.pop(engine, None)
         self.hot.forget_engine(engine)
-        with contextlib.suppress(KeyError):
-            self.circuit.remove(engine)
-        for series in (
-            self.metric_missing,
-            self.scrape_errors,
-            self.upstream_errors,
-            self.kv_events,
-            self.kv_event_gaps,
-            self.kv_event_replays,
-            self.kv_event_decode_errors,
-            self.kv_event_resets,
-            self.kv_events_connected,
-        ):
-            self.drop_series(series, engine)
-
-    @staticmethod
-    def drop_series(metric: Gauge | Counter, engine: str) -> None:
-        # prometheus_client has no "remove by partial labels": find this engine's label sets.
-        for sample_labels in [
-            dict(zip(metric._labelnames, key, strict=True)) for key in list(metric._metrics)
-        ]:
-            if sample_labels.get("engine") == engine:
-                with contextlib.suppress(KeyError):
-                    metric.remove(*sample_labels.values())
 
     # -- ScrapeObserver (kvstack.engines.scraper) -----------------------------------------------------
     def on_scrape(self, engine: str, ok: bool, duration: float, error_reason: str | None) -> None:
         if not ok:
-            self.scrape_errors.labels(engine=engine, reason=error_reason or "unknown").inc()
+            self.hot.count("kvstack_engine_scrape_errors", (engine, error_reason or "unknown"))
 
     def on_missing(self, engine: str, names: frozenset[str]) -> None:
-        for sample_labels in [
-            dict(zip(self.metric_missing._labelnames, k, strict=True))
-            for k in list(self.metric_missing._metrics)
-        ]:
-            if sample_labels["engine"] == engine and sample_labels["metric"] not in names:
-                self.metric_missing.remove(engine, sample_labels["metric"])
+        family = "kvstack_engine_metric_missing"
+        for labels in self.hot.engine_labels(family, engine):
+            if labels[1] not in names:
+                self.hot.set_gauge(family, labels, None)
         for name in names:
-            self.metric_missing.labels(engine=engine, metric=name).set(1)
+            self.hot.set_gauge(family, (engine, name), 1.0)
 
     # -- KVEventObserver (kvstack.engines.kv_subscriber) ---------------------------------------------
     def kv_batch(self, engine: str, batch: Any) -> None:
         for event in batch.events:
-            self._child(self.kv_events, engine, type(event).__name__).inc()
+            self.hot.count("kvstack_kv_events", (engine, type(event).__name__))
 
     def kv_gap(self, engine: str, missing: int) -> None:
-        self._child(self.kv_event_gaps, engine).inc(missing)
+        self.hot.count("kvstack_kv_event_gaps", (engine,), missing)
 
     def kv_replay(self, engine: str, result: str) -> None:
-        self._child(self.kv_event_replays, engine, result).inc()
+        self.hot.count("kvstack_kv_event_replays", (engine, result))
 
     def kv_decode_error(self, engine: str) -> None:
-        self._child(self.kv_event_decode_errors, engine).inc()
+        self.hot.count("kvstack_kv_event_decode_errors", (engine,))
 
     def kv_reset(self, engine: str, reason: str) -> None:
-        self._child(self.kv_event_resets, engine, reason).inc()
+        self.hot.count("kvstack_kv_event_resets", (engine, reason))
 
     def kv_connected(self, engine: str, connected: bool) -> None:
-        self._child(self.kv_events_connected, engine).set(1 if connected else 0)
+        self.hot.set_gauge("kvstack_kv_events_connected", (engine,), 1.0 if connected else 0.0)
 
     def tokenized(self, source: str, seconds: float) -> None:
         self._child(self.tokenize_seconds, source).observe(seconds)

@@ -211,7 +211,7 @@ class Proxy:
                 if last_error is not None and last_error.response is not None:
                     last_error.response.release()
                 last_error = exc
-                self.metrics.upstream_errors.labels(engine=url, reason=exc.reason).inc()
+                self.metrics.upstream_error(url, exc.reason)
                 log.info(
                     "engine %s failed (%s) for request %s; trying the next engine",
                     url,
@@ -310,7 +310,7 @@ class Proxy:
                     data = await upstream.read(within)
                 except UpstreamError as exc:
                     settle(self._timeout_verdict(timeouts, bound) if isinstance(exc, TimeoutError) else False)
-                    self.metrics.upstream_errors.labels(engine=url, reason="body").inc()
+                    self.metrics.upstream_error(url, "body")
                     raise OpenAIError(
                         502, f"engine {url} failed while sending its answer", "BadGatewayError"
                     ) from None
@@ -339,7 +339,7 @@ class Proxy:
                     reason, label = "upstream_broke", "mid_stream"
                 else:
                     reason = label = f"{stopped}_timeout"
-                self.metrics.upstream_errors.labels(engine=url, reason=label).inc()
+                self.metrics.upstream_error(url, label)
                 sse = stream or is_sse
                 await self._end_early(conn, upstream, reason, url, events, sse, deadline, outcome)
         except ConnectionResetError:
