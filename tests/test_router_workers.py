@@ -132,9 +132,11 @@ async def test_a_circuit_trip_in_one_worker_opens_it_in_all(workers: Workers) ->
     assert {_engines(t)[dead]["circuit"] for t in views.values()} == {"open"}
     # Its series (circuit state, upstream errors) go with it, from every worker's /metrics.
     assert all(f'engine="{dead}"' in text for text in (await workers.each_worker("/metrics")).values())
-    async with aiohttp.ClientSession() as http:
-        async with http.delete(f"{workers.url}/admin/engines", params={"url": dead}) as r:
-            assert (await r.json())["applied_by_workers"] == 2
+    async with (
+        aiohttp.ClientSession() as http,
+        http.delete(f"{workers.url}/admin/engines", params={"url": dead}) as r,
+    ):
+        assert (await r.json())["applied_by_workers"] == 2
     assert not any(dead in text for text in (await workers.each_worker("/metrics")).values())
 
 
