@@ -295,7 +295,7 @@ def test_restored_chunks_are_announced_parents_first_and_orphans_last() -> None:
     hashes = [h for e in published for h in e.block_hashes]
     assert hashes == [block_hash(k) for k in keys] + [block_hash(orphan[1])]
     assert isinstance(published[0], BlockStored) and published[0].token_ids == tokens  # one chained event
-    assert unpack_note(notes[0], CHUNK) == (None, array("I", tokens[:CHUNK]))
+    assert unpack_note(notes[0], CHUNK) == (None, array("I", tokens[:CHUNK]), None)
     assert unpack_note(notes[0], CHUNK + 1) is None
 
 

@@ -411,7 +411,7 @@ HAND_BUILT = textwrap.dedent(
         vllm_config = NS(
             kv_transfer_config=transfer,
             cache_config=NS(block_size=128),
-            model_config=NS(model="/models/x"),
+            model_config=NS(model="/models/x", served_model_name="x"),
             parallel_config=NS(
                 tensor_parallel_size=tp_size, pipeline_parallel_size=1, decode_context_parallel_size=1
             ),

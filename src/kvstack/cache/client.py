@@ -3,9 +3,10 @@
 Both have the same operations: ``lookup`` (consecutive prefix count), ``locate`` (a tier per chunk of that
 prefix), ``exists``, ``get``, ``put``, ``evict``, ``clear``, ``server_stats``. Counters are in ``.stats``.
 
-``put(keys, payloads, token_ids=, parent=)`` should carry each chunk's token ids and the key of the chunk
-before ``keys[0]`` (None for a prompt's first chunk): the server's admit events need them (see
-``kvstack.cache.events``). ``get`` returns the payloads of the longest consecutive prefix it could serve
+``put(keys, payloads, token_ids=, parent=, model=)`` should carry each chunk's token ids and the key of the
+chunk before ``keys[0]`` (None for a prompt's first chunk): the server's admit events need them (see
+``kvstack.cache.events``); ``model``, the engine's served model name, lets a router credit the chunks to
+that model's requests only. ``get`` returns the payloads of the longest consecutive prefix it could serve
 (possibly none); None means the operation failed.
 
 Never an exception in the caller's hot path: an unreachable server, a timeout, an error reply, a malformed
@@ -547,6 +548,7 @@ class _ClientCore:
         payloads: Sequence[Payload],
         token_ids: Sequence[Sequence[int]] | None,
         parent: bytes | None,
+        model: str | None = None,
     ) -> _Plan[bool]:
         if len(keys) != len(payloads) or (token_ids is not None and len(token_ids) != len(keys)):
             raise ValueError(
@@ -560,7 +562,7 @@ class _ClientCore:
         reserved = [
             r if r is not None and r.view is p else None for r, p in zip(reserved, payloads, strict=True)
         ]
-        return (yield from self._put_batches(keys, data, reserved, token_ids, parent))
+        return (yield from self._put_batches(keys, data, reserved, token_ids, parent, model))
 
     def _put_batches(
         self,
@@ -569,6 +571,7 @@ class _ClientCore:
         reserved: list[_Reserved | None],
         token_ids: Sequence[Sequence[int]] | None,
         parent: bytes | None,
+        model: str | None,
     ) -> _Plan[bool]:
         start = 0
         while start < len(keys):
@@ -579,7 +582,9 @@ class _ClientCore:
             lent: list[int] = []
             shared = False
             framed = 0
-            used = _HEADER_BASE_BYTES  # an upper bound of the message size, to stay under the server's limit
+            used = _HEADER_BASE_BYTES + (
+                0 if model is None else len(model.encode())
+            )  # an upper bound of the message size, to stay under the server's limit
             end = start
             while end < len(keys) and end - start < self.max_keys:
                 n = data[end].nbytes
@@ -629,6 +634,7 @@ class _ClientCore:
                 arena=arena.name if arena is not None and (lent or shared) else None,
                 parent=bytes(keys[start - 1]) if start else None if parent is None else bytes(parent),
                 token_ids=None if token_ids is None else [list(t) for t in token_ids[start:end]],
+                model=model,
             )
             outcome = yield _Call(request, frames, PutReply, arena if lent or shared else None)
             if arena is not None and not arena.retired:
@@ -752,9 +758,12 @@ class CacheClient:
         *,
         token_ids: Sequence[Sequence[int]] | None = None,
         parent: bytes | None = None,
+        model: str | None = None,
     ) -> bool:
         try:
-            return self._run(lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put")
+            return self._run(
+                lambda: self._core.put_plan(keys, payloads, token_ids, parent, model), False, "put"
+            )
         finally:  # sent or not, reserved regions among the payloads are the put's: freed now
             self._core.release(payloads)
 
@@ -920,10 +929,11 @@ class AsyncCacheClient:
         *,
         token_ids: Sequence[Sequence[int]] | None = None,
         parent: bytes | None = None,
+        model: str | None = None,
     ) -> bool:
         try:
             return await self._run(
-                lambda: self._core.put_plan(keys, payloads, token_ids, parent), False, "put"
+                lambda: self._core.put_plan(keys, payloads, token_ids, parent, model), False, "put"
             )
         finally:  # sent or not, reserved regions among the payloads are the put's: freed now
             self._core.release(payloads)

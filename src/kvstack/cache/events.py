@@ -11,9 +11,13 @@ or ``"REMOTE"`` (any other tier: Redis), and a server ``clear`` into ``AllBlocks
   token), so a chunk reaching disk or Redis after the put, or promoted back into memory later, can still be
   announced. A chunk without known tokens, or whose token count is not the chunk size (a partial tail), gets
   no ``BlockStored``; ``BlockRemoved`` is always sent (a router ignores hashes it never stored).
+- ``extra_keys``: ``("kvstack-model", model)`` for each chunk whose put named its model (``Put.model``, the
+  engine's served model name), so a router credits the chunk only to requests for that model; absent when
+  the put named none. A generic vLLM-event consumer skips blocks with extra keys it does not know, which
+  errs toward no credit.
 - Consecutive chunks stored in the same tier within one event-loop turn become one ``BlockStored`` when each
   one's parent is the previous one, as vLLM batches a request's blocks.
-- Restarts: the disk tier keeps each chunk's parent key and tokens in its file (`annotation`, packed by
+- Restarts: the disk tier keeps each chunk's parent key, model and tokens in its file (`annotation`, packed by
   `pack_note`), and the server announces the chunks it finds there at start (`restored`: ``BlockStored``
   DISK, parents before children), in the first batches, which later subscribers get by replay. The memory
   tier starts empty; Redis chunks written before a restart are not announced (their values carry no tokens).
@@ -32,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import struct
 import sys
 import time
 from array import array
@@ -73,6 +78,7 @@ MEDIUM_CPU: Final = "CPU"
 MEDIUM_DISK: Final = "DISK"
 MEDIUM_REMOTE: Final = "REMOTE"
 TOPIC_PREFIX: Final = "kvstack-cache/"
+MODEL_EXTRA_KEY: Final = "kvstack-model"  # extra_keys tag: the chunk's model follows
 
 
 def block_hash(key: bytes) -> int:
@@ -210,7 +216,7 @@ class ChunkEvents:
         self._publish = publish
         self.chunk_size = chunk_size
         self._max = max_remembered
-        self._tokens: OrderedDict[ChunkKey, tuple[bytes | None, array[int]]] = OrderedDict()
+        self._tokens: OrderedDict[ChunkKey, tuple[bytes | None, array[int], str | None]] = OrderedDict()
         self._pending: list[KVEvent] = []
         self._scheduled = False
         # Restored chunks whose parent is restored but not announced yet, by parent (see `restored`).
@@ -218,9 +224,14 @@ class ChunkEvents:
         self._waiting_keys: set[ChunkKey] = set()
 
     def remember(
-        self, keys: Sequence[ChunkKey], parent: bytes | None, token_ids: Sequence[Sequence[int]]
+        self,
+        keys: Sequence[ChunkKey],
+        parent: bytes | None,
+        token_ids: Sequence[Sequence[int]],
+        model: str | None = None,
     ) -> None:
-        """Keep each full chunk's tokens and parent, for its ``BlockStored`` events (see the module doc)."""
+        """Keep each full chunk's tokens, parent and model, for its ``BlockStored`` events (see the module
+        doc)."""
         previous = parent
         for key, tokens in zip(keys, token_ids, strict=False):
             if len(tokens) == self.chunk_size and self._max:
@@ -229,11 +240,11 @@ class ChunkEvents:
                 except (OverflowError, TypeError):
                     packed = None
                 if packed is not None:
-                    self._keep(key, previous, packed)
+                    self._keep(key, previous, packed, model)
             previous = key
 
-    def _keep(self, key: ChunkKey, parent: bytes | None, tokens: array[int]) -> None:
-        self._tokens[key] = (parent, tokens)
+    def _keep(self, key: ChunkKey, parent: bytes | None, tokens: array[int], model: str | None) -> None:
+        self._tokens[key] = (parent, tokens, model)
         self._tokens.move_to_end(key)
         while len(self._tokens) > self._max:
             self._tokens.popitem(last=False)
@@ -246,16 +257,20 @@ class ChunkEvents:
             known = self._tokens.get(key)
             if known is None:
                 continue
-            parent, tokens = known
+            parent, tokens, model = known
+            extra = None if model is None else (MODEL_EXTRA_KEY, model)
             last = self._pending[-1] if self._pending else None
             if (
                 isinstance(last, BlockStored)
                 and last.medium == medium
                 and parent is not None
                 and last.block_hashes[-1] == block_hash(parent)
+                and (last.extra_keys[-1] if last.extra_keys else None) == extra
             ):
                 last.block_hashes.append(block_hash(key))
                 last.token_ids.extend(tokens)
+                if last.extra_keys:
+                    last.extra_keys.append(extra)
             else:
                 self._add(
                     BlockStored(
@@ -264,16 +279,18 @@ class ChunkEvents:
                         token_ids=tokens.tolist(),
                         block_size=self.chunk_size,
                         medium=medium,
+                        extra_keys=None if extra is None else [extra],
                     )
                 )
 
     def annotation(self, key: ChunkKey) -> bytes | None:
-        """The note a disk tier keeps with ``key``'s chunk: its parent key and token ids (see `restored`)."""
+        """The note a disk tier keeps with ``key``'s chunk: its parent key, model and token ids (see
+        `restored`)."""
         known = self._tokens.get(key)
         if known is None:
             return None
-        parent, tokens = known
-        return pack_note(parent, tokens)
+        parent, tokens, model = known
+        return pack_note(parent, tokens, model)
 
     def restored(self, tier: Tier, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
         """Announce chunks a tier held before this server started (``BlockStored`` in their tier's medium),
@@ -284,8 +301,8 @@ class ChunkEvents:
             unpacked = unpack_note(note, self.chunk_size)
             if unpacked is None:
                 continue
-            parent, tokens = unpacked
-            self._keep(key, parent, tokens)
+            parent, tokens, model = unpacked
+            self._keep(key, parent, tokens, model)
             if parent is None or (parent in self._tokens and parent not in self._waiting_keys):
                 self._announce_restored(tier, key)
             else:
@@ -336,27 +353,46 @@ class ChunkEvents:
 
 
 _NOTE_VERSION = b"\x01"
+_NOTE_WITH_MODEL = b"\x02"  # version 1 plus the model name after the parent
 _NO_PARENT = bytes(32)  # a chunk key is never 32 zero bytes (chunk_keys' chain starts from them)
+_MODEL_LEN = struct.Struct("<H")
 
 
-def pack_note(parent: bytes | None, tokens: array[int]) -> bytes:
-    """A chunk's parent key and token ids as a disk tier keeps them: version byte, the parent (32 zero
-    bytes: none), the token ids as little-endian uint32."""
+def pack_note(parent: bytes | None, tokens: array[int], model: str | None = None) -> bytes:
+    """A chunk's parent key, model and token ids as a disk tier keeps them: version byte, the parent (32
+    zero bytes: none), with a model its UTF-8 length (uint16) and bytes (version 2), the token ids as
+    little-endian uint32. Without a model the note is version 1, as before models were carried."""
     if sys.byteorder == "big":
         tokens = array("I", tokens)
         tokens.byteswap()
-    return _NOTE_VERSION + (parent if parent is not None else _NO_PARENT) + tokens.tobytes()
+    head = parent if parent is not None else _NO_PARENT
+    if model is None:
+        return _NOTE_VERSION + head + tokens.tobytes()
+    name = model.encode()
+    if len(name) > 0xFFFF:  # no served model name is this long; the chunk's note just goes without it
+        return _NOTE_VERSION + head + tokens.tobytes()
+    return _NOTE_WITH_MODEL + head + _MODEL_LEN.pack(len(name)) + name + tokens.tobytes()
 
 
-def unpack_note(note: bytes, chunk_size: int) -> tuple[bytes | None, array[int]] | None:
-    """(parent, token ids) of a `pack_note` note of a full chunk; None for anything else."""
-    if len(note) != 1 + 32 + 4 * chunk_size or note[:1] != _NOTE_VERSION:
+def unpack_note(note: bytes, chunk_size: int) -> tuple[bytes | None, array[int], str | None] | None:
+    """(parent, token ids, model) of a `pack_note` note of a full chunk; None for anything else."""
+    version, at, model = note[:1], 33, None
+    if version == _NOTE_WITH_MODEL and len(note) >= at + _MODEL_LEN.size:
+        (length,) = _MODEL_LEN.unpack_from(note, at)
+        at += _MODEL_LEN.size + length
+        try:
+            model = note[at - length : at].decode()
+        except UnicodeDecodeError:
+            return None
+    elif version != _NOTE_VERSION:
         return None
-    tokens = array("I", note[33:])
+    if len(note) != at + 4 * chunk_size:
+        return None
+    tokens = array("I", note[at:])
     if sys.byteorder == "big":
         tokens.byteswap()
     parent = note[1:33]
-    return (None if parent == _NO_PARENT else ChunkKey(parent)), tokens
+    return (None if parent == _NO_PARENT else ChunkKey(parent)), tokens, model
 
 
 def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:

@@ -27,11 +27,12 @@ Operations (request -> reply):
   consecutive prefix; chunk ``i`` is in the client's arena at ``offsets[i]`` (inside the region the request
   lent) or, where ``offsets[i] == -1``, in the next payload frame. ``more``: the reply stopped early at the
   size limit; ask again for the rest.
-- ``put(keys, sizes, offsets, arena, parent, token_ids)`` -> ``stored``: ``offsets`` as in ``get``
+- ``put(keys, sizes, offsets, arena, parent, token_ids, model)`` -> ``stored``: ``offsets`` as in ``get``
   (empty: all payloads in frames). ``token_ids`` (one list per chunk) and ``parent`` (the key of the chunk
   before ``keys[0]``, None for a prompt's first chunk) are optional, but without them the server cannot
-  publish ``BlockStored`` events for the chunks (a router keys blocks by their tokens). ``stored``: chunks
-  the memory tier kept.
+  publish ``BlockStored`` events for the chunks (a router keys blocks by their tokens). ``model``
+  (optional): the served model name of the engine that computed the chunks, carried in their events so a
+  router credits them only to requests for that model. ``stored``: chunks the memory tier kept.
 - ``evict(keys)`` -> ``removed``; ``clear()`` -> ``{}``; ``stats()`` -> ``node, stats`` (the store's and
   the server's counters as a map).
 
@@ -155,6 +156,7 @@ class Put(_Message, tag="put"):
     arena: str | None = None
     parent: bytes | None = None
     token_ids: list[list[int]] | None = None
+    model: str | None = None
 
 
 class Evict(_Message, tag="evict"):

@@ -506,7 +506,7 @@ class CacheServer:
                     shared += size
                 payloads.append(data)
             if self.events is not None and request.token_ids:
-                self.events.remember(keys, request.parent, request.token_ids)
+                self.events.remember(keys, request.parent, request.token_ids, request.model)
             stored = self.store.put(keys, payloads)
         finally:
             payloads.clear()

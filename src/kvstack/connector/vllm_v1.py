@@ -217,6 +217,8 @@ class KVStackConnector(KVConnectorBase_V1):
         self._attn, problem = attention_shape(kv_cache_config)
         self._disabled = problem or _parallel_problem(vllm_config)
         self._model = self._config.model_id or vllm_config.model_config.model
+        # The name requests use (the first --served-model-name): a router credits the chunks to it.
+        self._served_model: str = vllm_config.model_config.served_model_name
         self._tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._engine = self._kv_transfer_config.engine_id or ""
         self._warn = ThrottledLog(log, 10.0)
@@ -465,6 +467,7 @@ class KVStackConnector(KVConnectorBase_V1):
             client=self._new_client(shm=shm, name=f"vllm-worker{rank}:{self._engine}"),
             save_client=self._new_client(shm=shm, name=f"vllm-worker{rank}-saves:{self._engine}"),
             block_dim=verdict.block_dim,
+            model=self._served_model,
         )
         log.info(
             "kvstack connector: layout %s, %d bytes per chunk, rank %d of %d",

@@ -57,6 +57,7 @@ class BlockMover:
         client: CacheClient,
         save_client: CacheClient | None = None,
         block_dim: int = 0,
+        model: str | None = None,
     ) -> None:
         if not layers:
             raise ValueError("no KV cache layers to move")
@@ -74,6 +75,7 @@ class BlockMover:
         self._rank = rank
         self.client = client
         self.save_client = save_client or client
+        self.model = model  # the served model name the saved chunks' events carry (see kvstack.cache.events)
 
     def load(self, load: RequestLoad) -> tuple[int, list[int]]:
         """Copies the chunks of ``load`` into their blocks: (chunks loaded, blocks that failed)."""
@@ -127,6 +129,7 @@ class BlockMover:
             payloads,
             token_ids=[chunk.token_ids for chunk in save.chunks] if rank == 0 else None,
             parent=None if save.parent is None else save.parent[rank],
+            model=self.model if rank == 0 else None,
         )
 
     def _copy_in(self, payload: memoryview, chunk: ChunkLoad) -> None:

@@ -1,6 +1,6 @@
 """The prefix index: which location (engine, cache node) holds which token block, and in which tier.
 
-- `BlockKeyer` (keys): kvstack's own chained 64-bit keys of token-id blocks, per model/LoRA namespace and
+- `BlockKeyer` (keys): kvstack's own chained 64-bit keys of token-id blocks, per LoRA-adapter namespace and
   block size; never vLLM's hashes.
 - `PrefixIndex` (prefix_index): exact knowledge from KV events, per-tier location bitmasks, one global bound
   on (location, block) entries with LRU eviction; ``lookup`` gives each location's consecutive prefix per

@@ -4,8 +4,8 @@ Blocks are keyed by their tokens, never by vLLM's block hashes: those depend on 
 and its seed (``PYTHONHASHSEED``), so two engines serving the same prompt can disagree. Key scheme:
 
 - ``root = xxh3_64(b"kvstack-block-key/v1\\0" + namespace + b"\\0" + block_size)``, where the router passes
-  ``namespace = f"{model}|{lora_name or ''}"``; block size is in the root, so engines with block size 16 and
-  128 never share a key.
+  the LoRA adapter's name as ``namespace`` (``""`` for the base model; see ``router/prefix.py``); block size
+  is in the root, so engines with block size 16 and 128 never share a key.
 - ``key_i = xxh3_64(tokens_i, seed=key_{i-1})`` with ``key_{-1} = root``, ``tokens_i`` the block's token ids
   as little-endian uint32. Seeding with the parent key chains like hashing ``parent || tokens`` would (every
   key depends on all the blocks before it) at a third of the cost here: one C call per block, no copy.

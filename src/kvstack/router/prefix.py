@@ -5,12 +5,24 @@ Event ingestion (``apply``/``reset``, the `KVEventSink` of the subscribers): a `
 kvstack's chained hash of its token ids, chained from the key the index holds for its parent's engine hash
 (a parent the index does not know, because it was stored before the router listened or was evicted from
 the index, makes the event an orphan: counted and skipped, never guessed). ``BlockRemoved`` goes through
-the engine-hash map. ``AllBlocksCleared`` and every subscriber reset clear the engine. Blocks with
-``extra_keys`` (multimodal inputs, cache salts) are skipped: their tokens alone do not identify them.
+the engine-hash map. ``AllBlocksCleared`` and every subscriber reset clear the engine. Blocks whose
+``extra_keys`` hold more than their LoRA adapter's name (multimodal inputs, a cache salt, prompt embeddings)
+are skipped: their tokens alone do not identify them.
 
 Namespace: keys are per LoRA adapter and block size, not per model. Events do not name the model, and it
 is not needed: the model filter keeps only engines serving the request's model before scoring, and each
-model's prompts are tokenized with that model's tokenizer.
+model's prompts are tokenized with that model's tokenizer. A block stored with ``lora_name`` (vLLM 0.32
+also puts the name in ``extra_keys``) is keyed under that adapter; a lookup is keyed under the request's
+model when some engine's events named it as an adapter, else under the base namespace. The router's
+``/v1/models`` list does not say which names are adapters, so until an engine has published a block for an
+adapter, that adapter's requests are looked up as base-model requests. A request with a ``cache_salt`` gets
+no exact credit (vLLM salts the first block's hash, so no published block can match it); its history keys
+are salted instead.
+
+Layout: an engine's events may carry several block sizes (a partial block cached at a prompt's end, KV-cache
+groups of a hybrid model). Blocks of non-full-attention groups (``kv_cache_spec_kind``) are never indexed;
+of the other (group, block size) pairs, the one that carried the most tokens is the engine's layout (the
+current one keeps ties) and only its blocks and removals are indexed, so one odd event cannot switch it.
 
 History (for engines without events): after each decision the prompt's blocks are recorded for the chosen
 engine in ``history_block_size``-token blocks; bounded per engine with a TTL (``HistoryIndex``).
@@ -21,18 +33,24 @@ chunks in their tier when it runs on the cache's node, and with REMOTE chunks (a
 wherever it runs. An engine's view per tier is then the longer of its own prefix and the credited one:
 both start at the prompt's first token, so the longer one is what it can serve without recomputing.
 A cache's REMOTE chunks are also indexed under a second location (``<location>#remote``), so an engine on
-another node is credited only with a prefix made of chunks it can actually reach.
+another node is credited only with a prefix made of chunks it can actually reach. A chunk whose event
+names its model (``extra_keys`` ``("kvstack-model", model)``, see ``kvstack.cache.events``) is keyed under
+that model and credited only to requests for it, on engines that serve it; chunks of a server that names
+no models keep the base namespace and are credited to any engine of the node, as before. A cache's
+chunks are never credited to a LoRA adapter's requests (the connector does not save them).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Final, Protocol
 
+from kvstack.cache.events import MODEL_EXTRA_KEY
 from kvstack.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstack.engines.state import EngineState
 from kvstack.index.history import HistoryIndex
@@ -44,6 +62,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["PrefixLocator", "PrefixLookup", "PrefixSource"]
 
+# vLLM's KVCacheSpecKind values whose blocks are a reusable prefix (every earlier token's KV is kept).
+_PREFIX_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+_KEYERS: Final = 64  # (namespace, block size) keyers kept: a few adapters times a few block sizes
+_ADAPTERS: Final = 4096  # LoRA adapter names remembered from events (the oldest is forgotten first)
+_LAYOUTS: Final = 8  # (group, block size) pairs tallied per location
+
 
 @dataclass(slots=True)
 class IngestStats:
@@ -51,6 +75,7 @@ class IngestStats:
     removed_blocks: int = 0
     orphans: int = 0  # BlockStored whose parent the index does not know
     skipped_extra_keys: int = 0
+    skipped_layout: int = 0  # blocks of a non-full-attention group, another group or another block size
     malformed: int = 0  # token count does not match the hashes and block size
     clears: int = 0
 
@@ -68,10 +93,34 @@ class PrefixSource(Protocol):
     asks the engines themselves."""
 
     async def find(
-        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float
+        self,
+        token_ids: Sequence[int],
+        candidates: Sequence[EngineState],
+        now: float,
+        *,
+        model: str = "",
+        cache_salt: str | None = None,
     ) -> PrefixLookup: ...
 
     def record(self, engine: str, lookup: PrefixLookup, now: float | None = None) -> None: ...
+
+
+@dataclass(slots=True)
+class _Layout:
+    """A location's indexed (group, block size) and the tokens its events carried per pair."""
+
+    main: tuple[int | None, int]
+    tokens: dict[tuple[int | None, int], int]
+
+    def count(self, seen: tuple[int | None, int], tokens: int) -> bool:
+        """Add an event's tokens; True when ``seen`` is (now) the main layout."""
+        tally = self.tokens
+        tally[seen] = total = tally.get(seen, 0) + tokens
+        if seen != self.main and total > tally[self.main]:
+            self.main = seen
+        if len(tally) > _LAYOUTS:
+            del tally[min((k for k in tally if k != self.main), key=tally.__getitem__)]
+        return seen == self.main
 
 
 class PrefixLocator:
@@ -86,19 +135,24 @@ class PrefixLocator:
         self.history = history if history is not None else HistoryIndex()
         self.history_block_size = history_block_size
         self.stats = IngestStats()
-        self._keyers: dict[tuple[str, int], BlockKeyer] = {}
-        self._block_sizes: dict[str, int] = {}  # engine URL -> block size seen in its events
+        self._keyers = functools.lru_cache(maxsize=_KEYERS)(BlockKeyer)
+        self._layouts: dict[str, _Layout] = {}
+        self._block_sizes: dict[str, int] = {}  # location -> its layout's block size (read per request)
+        self._adapters: dict[str, None] = {}  # LoRA adapter names events carried, oldest first
         self._history_keyer = BlockKeyer("router-history", history_block_size)
         self._cache_nodes: dict[str, str | None] = {}  # cache location -> node it runs on
+        self._named_caches: set[str] = set()  # cache locations whose events name the chunks' model
 
     def keyer(self, namespace: str, block_size: int) -> BlockKeyer:
-        keyer = self._keyers.get((namespace, block_size))
-        if keyer is None:
-            keyer = self._keyers[(namespace, block_size)] = BlockKeyer(namespace, block_size)
-        return keyer
+        return self._keyers(namespace, block_size)
 
     def block_size(self, engine: str) -> int | None:
         return self._block_sizes.get(engine)
+
+    def namespace(self, model: str) -> str:
+        """The index namespace of a request for ``model``: the model when events named it as a LoRA adapter,
+        else the base namespace ``""``."""
+        return model if model in self._adapters else ""
 
     # -- KV events (KVEventSink) ------------------------------------------------------------------------
     def apply(self, engine: str, batch: EventBatch) -> None:
@@ -107,6 +161,9 @@ class PrefixLocator:
             if isinstance(event, BlockStored):
                 self._stored(engine, event)
             elif isinstance(event, BlockRemoved):
+                if not self._in_layout_group(engine, event.group_idx):
+                    self.stats.skipped_layout += len(event.block_hashes)
+                    continue
                 tier = Tier.from_medium(event.medium)
                 index.remove_hashes(engine, event.block_hashes, tier)
                 if tier is Tier.REMOTE and engine in self._cache_nodes:
@@ -117,12 +174,18 @@ class PrefixLocator:
 
     def _stored(self, engine: str, event: BlockStored) -> None:
         hashes = event.block_hashes
-        if event.extra_keys and any(k is not None for k in event.extra_keys):
+        cache = engine in self._cache_nodes
+        namespace = _cache_namespace_of(event) if cache else _namespace_of(event)
+        if namespace is None:
             self.stats.skipped_extra_keys += len(hashes)
             return
         size = event.block_size
         if size < 1 or len(event.token_ids) != size * len(hashes):
             self.stats.malformed += 1
+            return
+        kind = event.kv_cache_spec_kind
+        if (kind is not None and kind not in _PREFIX_KINDS) or not self._in_layout(engine, event):
+            self.stats.skipped_layout += len(hashes)
             return
         parent: int | None = None
         if event.parent_block_hash is not None:
@@ -130,14 +193,48 @@ class PrefixLocator:
             if parent is None:
                 self.stats.orphans += 1
                 return
-        self._block_sizes[engine] = size
-        keys = self.keyer(event.lora_name or "", size).keys_from(parent, event.token_ids)
+        if cache:
+            if namespace:
+                self._named_caches.add(engine)
+        elif namespace and namespace not in self._adapters:
+            self._adapters[namespace] = None
+            if len(self._adapters) > _ADAPTERS:
+                del self._adapters[next(iter(self._adapters))]
+        keys = self.keyer(namespace, size).keys_from(parent, event.token_ids)
         tier = Tier.from_medium(event.medium)
         self.index.store(engine, keys, tier, hashes)
-        if tier is Tier.REMOTE and engine in self._cache_nodes:
+        if tier is Tier.REMOTE and cache:
             self._block_sizes[_remote(engine)] = size
             self.index.store(_remote(engine), keys, tier, hashes)
         self.stats.stored_blocks += len(keys)
+
+    def _in_layout(self, engine: str, event: BlockStored) -> bool:
+        """Count the event towards the engine's layout; True when its blocks are of that layout."""
+        seen = (event.group_idx, event.block_size)
+        layout = self._layouts.get(engine)
+        if layout is None:
+            self._layouts[engine] = _Layout(seen, {seen: len(event.token_ids)})
+            self._block_sizes[engine] = event.block_size
+            return True
+        before = layout.main
+        if not layout.count(seen, len(event.token_ids)):
+            return False
+        if seen != before:
+            log.info(
+                "engine %s: KV events now mostly carry block size %d (group %s), was %d (group %s); "
+                "indexing those",
+                engine,
+                seen[1],
+                seen[0],
+                before[1],
+                before[0],
+            )
+            self._block_sizes[engine] = event.block_size
+        return True
+
+    def _in_layout_group(self, engine: str, group_idx: int | None) -> bool:
+        layout = self._layouts.get(engine)
+        return group_idx is None or layout is None or layout.main[0] in (None, group_idx)
 
     def reset(self, engine: str, reason: str) -> None:
         log.info("engine %s: prefix index entries dropped (%s)", engine, reason)
@@ -145,6 +242,11 @@ class PrefixLocator:
         self.index.clear_location(engine)
         if engine in self._cache_nodes:
             self.index.clear_location(_remote(engine))
+        layout = self._layouts.get(engine)
+        if layout is not None:
+            # A restarted engine may come back with another block size: it takes over after one block more
+            # than one block of the old size (a partial block alone never does).
+            layout.tokens = {layout.main: layout.main[1]}
 
     def add_cache(self, location: str, node: str | None) -> None:
         """A cache server whose events arrive as ``location``, on ``node`` (None: no node-local credit)."""
@@ -155,13 +257,21 @@ class PrefixLocator:
         self.index.clear_location(engine)
         self.history.forget(engine)
         self._block_sizes.pop(engine, None)
+        self._layouts.pop(engine, None)
 
     # -- per request -------------------------------------------------------------------------------------
     def lookup(
-        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float | None = None
+        self,
+        token_ids: Sequence[int],
+        candidates: Sequence[EngineState],
+        now: float | None = None,
+        *,
+        model: str = "",
+        cache_salt: str | None = None,
     ) -> PrefixLookup:
         """Per candidate, how much of the prompt it holds: from the index for engines whose events gave a
-        block size, from the history for all (scorers pick which to trust)."""
+        block size, from the history for all (scorers pick which to trust). ``model`` selects the LoRA
+        namespace (see ``namespace``); a ``cache_salt`` leaves only the (salted) history."""
         now = time.monotonic() if now is None else now
         # Packed once: every block size and the history key the same ids (packing is most of the cost).
         try:
@@ -169,26 +279,17 @@ class PrefixLocator:
         except (OverflowError, TypeError):
             # Ids no tokenizer makes (negative, huge): the engine will refuse the request; route it anyway.
             return PrefixLookup(PrefixView(len(token_ids)), [])
+        namespace = self.namespace(model) if model else ""
         urls = {e.url for e in candidates}
         precise: dict[str, tuple[int, ...]] = {}
-        by_size: dict[int, list[str]] = {}
-        for location in (*urls, *self._cache_nodes, *map(_remote, self._cache_nodes)):
-            size = self._block_sizes.get(location)
-            if size is not None:
-                by_size.setdefault(size, []).append(location)
-        held: dict[str, tuple[int, ...]] = {}  # location -> cumulative tokens per tier
-        for size, locations in by_size.items():
-            matches = self.index.lookup(self.keyer("", size).keys(packed))
-            for location in locations:
-                match = matches.get(location)
-                if match is not None:
-                    held[location] = tuple(b * size for b in match.blocks_by_tier)
-        for url in urls:
-            if url in held:
-                precise[url] = held[url]
-        if self._cache_nodes:
-            self._credit_caches(held, candidates, precise)
-        history_keys = self._history_keyer.keys(packed)
+        if not cache_salt:
+            self._precise(packed, namespace, model, candidates, urls, precise)
+        history_keyer = self._history_keyer
+        if cache_salt:  # salts are per user, too many to cache: one short hash per request
+            history_keyer = BlockKeyer(f"router-history\0{namespace}\0{cache_salt}", self.history_block_size)
+        elif namespace:
+            history_keyer = self.keyer(f"router-history\0{namespace}", self.history_block_size)
+        history_keys = history_keyer.keys(packed)
         approximate: dict[str, int] = {}
         if history_keys:
             step = self.history_block_size
@@ -197,18 +298,57 @@ class PrefixLocator:
                     approximate[url] = blocks * step
         return PrefixLookup(PrefixView(len(token_ids), precise, approximate), history_keys)
 
+    def _precise(
+        self,
+        packed: Sequence[int],
+        namespace: str,
+        model: str,
+        candidates: Sequence[EngineState],
+        urls: set[str],
+        precise: dict[str, tuple[int, ...]],
+    ) -> None:
+        sizes = self._block_sizes
+        groups: dict[tuple[str, int], list[str]] = {}  # (namespace, block size) -> locations
+        for url in urls:
+            size = sizes.get(url)
+            if size is not None:
+                groups.setdefault((namespace, size), []).append(url)
+        caches = self._cache_nodes if not namespace else {}  # caches hold no adapter's chunks
+        for cache in caches:
+            cache_namespace = _model_namespace(model) if cache in self._named_caches else ""
+            for location in (cache, _remote(cache)):
+                size = sizes.get(location)
+                if size is not None:
+                    groups.setdefault((cache_namespace, size), []).append(location)
+        held: dict[str, tuple[int, ...]] = {}  # location -> cumulative tokens per tier
+        for (group_namespace, size), locations in groups.items():
+            matches = self.index.lookup(self.keyer(group_namespace, size).keys(packed))
+            for location in locations:
+                match = matches.get(location)
+                if match is not None:
+                    held[location] = tuple(b * size for b in match.blocks_by_tier)
+        for url in urls:
+            if url in held:
+                precise[url] = held[url]
+        if caches:
+            self._credit_caches(held, candidates, precise, model)
+
     def _credit_caches(
         self,
         held: dict[str, tuple[int, ...]],
         candidates: Sequence[EngineState],
         precise: dict[str, tuple[int, ...]],
+        model: str,
     ) -> None:
         for location, node in self._cache_nodes.items():
             tiers = held.get(location)
             shared = held.get(_remote(location))  # REMOTE chunks alone: any engine can load them
             if tiers is None and shared is None:
                 continue
+            named = location in self._named_caches
             for engine in candidates:
+                if named and engine.endpoint.models and model not in engine.endpoint.models:
+                    continue  # another model's engine: the chunks are of no use to it
                 local = node is not None and engine.endpoint.node == node
                 credit = tiers if local else shared
                 if credit is None:
@@ -217,9 +357,15 @@ class PrefixLocator:
                 precise[engine.url] = credit if own is None else tuple(map(max, own, credit))
 
     async def find(
-        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float
+        self,
+        token_ids: Sequence[int],
+        candidates: Sequence[EngineState],
+        now: float,
+        *,
+        model: str = "",
+        cache_salt: str | None = None,
     ) -> PrefixLookup:
-        return self.lookup(token_ids, candidates, now)
+        return self.lookup(token_ids, candidates, now, model=model, cache_salt=cache_salt)
 
     def record(self, engine: str, lookup: PrefixLookup, now: float | None = None) -> None:
         """Remember that the prompt went to ``engine`` (the history behind approximate scoring)."""
@@ -229,3 +375,35 @@ class PrefixLocator:
 
 def _remote(location: str) -> str:
     return f"{location}#remote"
+
+
+def _cache_namespace_of(event: BlockStored) -> str | None:
+    """The namespace of a cache server's chunks: their model's when the events name it, ``""`` when they do
+    not (an older server, or a put that named no model), None for extra keys of any other kind."""
+    extra = event.extra_keys
+    if not extra:
+        return ""
+    first = extra[0]
+    if first is None or len(first) != 2 or first[0] != MODEL_EXTRA_KEY or not isinstance(first[1], str):
+        return None
+    if any(keys != first for keys in extra):
+        return None
+    return _model_namespace(first[1])
+
+
+def _model_namespace(model: str) -> str:
+    # NUL never appears in a LoRA adapter's name, so a model's namespace never meets an adapter's.
+    return f"\0model\0{model}"
+
+
+def _namespace_of(event: BlockStored) -> str | None:
+    """The namespace of a stored event's blocks: its LoRA adapter (``""`` for the base model), or None when
+    a block's ``extra_keys`` hold more than the adapter's name. vLLM 0.32 publishes each block's extra keys
+    untagged, the adapter's as its bare name: a LoRA-only block's are ``(lora_name,)``."""
+    lora = event.lora_name or ""
+    if event.extra_keys:
+        only_lora = (lora,) if lora else None
+        for keys in event.extra_keys:
+            if keys is not None and tuple(keys) != only_lora:
+                return None
+    return lora

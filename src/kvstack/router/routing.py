@@ -5,6 +5,9 @@ when engines serve it but none is routable now).
 
 With ``kv_scheduler`` set (routing "auto"), requests use it whenever some engine publishes KV events and
 the plain scheduler otherwise, so adding an engine with events switches a fleet to KV-aware routing.
+
+The prefix lookup gets the request's model (a LoRA adapter's requests name the adapter) and ``cache_salt``:
+an adapter's blocks are credited only to its requests, and a salted request gets no exact credit.
 """
 
 from __future__ import annotations
@@ -62,7 +65,14 @@ class SchedulerPicker:
         if scheduler.needs_prefix and self.prompts is not None and self.locator is not None:
             token_ids = await self.prompts.token_ids(model, prompt_of(route.path, route.body))
             if token_ids is not None:
-                lookup = await self.locator.find(token_ids, states, now)
+                salt = route.body.get("cache_salt")
+                lookup = await self.locator.find(
+                    token_ids,
+                    states,
+                    now,
+                    model=model,
+                    cache_salt=salt if isinstance(salt, str) else None,
+                )
         request = SchedulingRequest(
             model=model,
             request_id=route.request_id,
