@@ -460,11 +460,16 @@ BAD_CONFIGS = [
     ),
     (
         "plugins: [{type: queue-scorer}]\n" + _ref("{pluginRef: queue-scorer, weight: -1}"),
-        "schedulingProfiles[0] ('p').plugins[0] ('queue-scorer'): 'weight' must be a number >= 0, got -1",
+        "schedulingProfiles[0] ('p').plugins[0] ('queue-scorer'): "
+        "'weight' must be a finite number >= 0, got -1",
     ),
     (
         "plugins: [{type: queue-scorer}]\n" + _ref("{pluginRef: queue-scorer, weight: heavy}"),
-        "'weight' must be a number >= 0, got 'heavy'",
+        "'weight' must be a finite number >= 0, got 'heavy'",
+    ),
+    (  # inf * a score of 0 is NaN: totals would stop ordering the engines
+        "plugins: [{type: queue-scorer}]\n" + _ref("{pluginRef: queue-scorer, weight: .inf}"),
+        "'weight' must be a finite number >= 0, got inf",
     ),
     (
         "plugins: [{type: max-score-picker}]\n" + _ref("{pluginRef: max-score-picker, weight: 2}"),

@@ -21,6 +21,7 @@ and parameters against the plugin registry. Every error is a ConfigError naming 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -165,9 +166,9 @@ def _parse_document(doc: object, source: str, text: str | None) -> SchedulerConf
             ref_where = f"{ref_where} ({target!r})"
             weight = ref.get("weight")
             if weight is not None and (
-                isinstance(weight, bool) or not isinstance(weight, int | float) or not weight >= 0
+                isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 <= weight < math.inf
             ):
-                raise fail(ref_where, f"'weight' must be a number >= 0, got {weight!r}")
+                raise fail(ref_where, f"'weight' must be a finite number >= 0, got {weight!r}")
             refs.append(PluginRef(target, None if weight is None else float(weight), ref_where))
         profiles.append(ProfileSpec(name, tuple(refs), where))
     return SchedulerConfig(source, tuple(plugins), tuple(profiles), text)

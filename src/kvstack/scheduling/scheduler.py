@@ -59,9 +59,9 @@ class SchedulerProfile:
         if picker is None:
             picker = MaxScorePicker()  # as in llm-d: a profile without a picker takes the highest score
         for scorer, weight in scorers:
-            if not weight >= 0:  # also rejects NaN
+            if not 0 <= weight < math.inf:  # also rejects NaN; inf * 0 would make totals NaN
                 raise ValueError(
-                    f"profile {name!r}: scorer {scorer.name!r} has weight {weight}; must be >= 0"
+                    f"profile {name!r}: scorer {scorer.name!r} has weight {weight}; must be finite and >= 0"
                 )
         self.name = name
         self.filters = tuple(filters)
