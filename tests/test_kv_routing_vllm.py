@@ -156,7 +156,7 @@ async def test_local_and_remote_tokenization_match_vllm(
 ) -> None:
     async with aiohttp.ClientSession() as http:
         local = PromptTokenizer({MODEL: load_tokenizer(str(tiny_model_dir))})
-        remote = PromptTokenizer(session=http, engine_for=lambda _model: vllm_engine.url)
+        remote = PromptTokenizer(session=http, engines_for=lambda _model: [vllm_engine.url])
         for text in ("plain text", LONG, "  spaces and\nnewlines\t", "ünïcödé ✓"):
             for special in (True, False):
                 answer, _ = await _post(

@@ -12,11 +12,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -241,15 +243,42 @@ def _run_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer from ``low`` to ``high`` (no upper bound when None)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low or (high is not None and value > high):
+            bound = f">= {low}" if high is None else f"from {low} to {high}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _positive(text: str) -> float:
+    """An argparse type: a finite number above 0 (seconds, sizes)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be positive and finite, got {text}")
+    return value
+
+
 def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "router", help="run the OpenAI-compatible router", description="Run the kvstack router."
     )
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_int_in(0, 65535), default=8080, help="0 = a free port")
     p.add_argument(
         "--workers",
-        type=int,
+        type=_int_in(1),
         default=1,
         help="router processes sharing the port (SO_REUSEPORT); they share admin changes, circuit "
         "breaker trips, in-flight counts and /metrics; admission limits are divided between them",
@@ -263,18 +292,28 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
         metavar="URL[#type=..,role=..,model=..]",
         help="a static engine; repeat for several",
     )
-    g.add_argument("--engines-file", help="YAML file listing engines, reloaded when it changes")
-    g.add_argument("--k8s-namespace", help="discover engine pods in this namespace")
-    g.add_argument("--k8s-selector", default="", help="label selector of engine pods")
-    g.add_argument("--k8s-port", type=int, default=8000, help="engine port on the pods")
+    # One discovery source at a time; --engine can be added to either.
+    source = g.add_mutually_exclusive_group()
+    source.add_argument("--engines-file", help="YAML file listing engines, reloaded when it changes")
+    source.add_argument("--k8s-namespace", help="discover engine pods in this namespace")
+    g.add_argument(
+        "--k8s-selector", help="label selector of engine pods (with --k8s-namespace; default: all)"
+    )
+    g.add_argument(
+        "--k8s-port",
+        type=_int_in(1, 65535),
+        help="engine port on the pods (with --k8s-namespace; default 8000)",
+    )
     g.add_argument("--model", action="append", default=[], help="models /ready requires (default: all seen)")
     g.add_argument(
         "--scrape-interval",
-        type=float,
+        type=_positive,
         default=1.0,
         help="seconds between scrapes of each engine's /metrics (readings older than 3 intervals are stale)",
     )
-    g.add_argument("--scrape-timeout", type=float, default=0.5, help="seconds a scrape of /metrics may take")
+    g.add_argument(
+        "--scrape-timeout", type=_positive, default=0.5, help="seconds a scrape of /metrics may take"
+    )
     g = p.add_argument_group("routing")
     g.add_argument(
         "--routing",
@@ -311,22 +350,30 @@ def _add_router_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser])
     )
     g.add_argument(
         "--index-max-entries",
-        type=int,
+        type=_int_in(1),
         default=4_000_000,
         help="bound of the prefix index in (engine, block) entries; LRU beyond it",
     )
     g = p.add_argument_group("timeouts, retries, circuit breaker, admission")
-    g.add_argument("--timeout-connect", type=float, default=5.0)
-    g.add_argument("--timeout-first-byte", type=float, default=120.0)
-    g.add_argument("--timeout-idle", type=float, default=60.0)
-    g.add_argument("--timeout-total", type=float, default=1800.0)
-    g.add_argument("--max-attempts", type=int, default=3, help="engines tried per request before giving up")
-    g.add_argument("--circuit-failures", type=int, default=5, help="consecutive failures that open a circuit")
-    g.add_argument("--circuit-open-seconds", type=float, default=5.0)
-    g.add_argument("--max-in-flight", type=int, default=0, help="proxied requests at once (0 = unlimited)")
-    g.add_argument("--max-queue", type=int, default=1024, help="requests waiting for a slot before 429")
-    g.add_argument("--queue-timeout", type=float, default=10.0)
-    g.add_argument("--max-body-mb", type=float, default=32.0)
+    g.add_argument("--timeout-connect", type=_positive, default=5.0)
+    g.add_argument("--timeout-first-byte", type=_positive, default=120.0)
+    g.add_argument("--timeout-idle", type=_positive, default=60.0)
+    g.add_argument("--timeout-total", type=_positive, default=1800.0)
+    g.add_argument(
+        "--max-attempts", type=_int_in(1), default=3, help="engines tried per request before giving up"
+    )
+    g.add_argument(
+        "--circuit-failures", type=_int_in(1), default=5, help="consecutive failures that open a circuit"
+    )
+    g.add_argument("--circuit-open-seconds", type=_positive, default=5.0)
+    g.add_argument(
+        "--max-in-flight", type=_int_in(0), default=0, help="proxied requests at once (0 = unlimited)"
+    )
+    g.add_argument(
+        "--max-queue", type=_int_in(0), default=1024, help="requests waiting for a slot before 429"
+    )
+    g.add_argument("--queue-timeout", type=_positive, default=10.0)
+    g.add_argument("--max-body-mb", type=_positive, default=32.0)
     g = p.add_argument_group("access")
     g.add_argument(
         "--api-key",
@@ -354,8 +401,8 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
             load_routing(args.routing)  # fail fast on a bad preset or config file
         tokenizers = _tokenizer_dirs(args.tokenizer)
         cache_events = [CacheEvents.parse(spec) for spec in args.cache_events]
-        if not (args.scrape_interval > 0 and args.scrape_timeout > 0):
-            raise ValueError("--scrape-interval and --scrape-timeout must be positive")
+        if args.k8s_namespace is None and (args.k8s_selector is not None or args.k8s_port is not None):
+            raise ValueError("--k8s-selector and --k8s-port apply only with --k8s-namespace")
     except (ValueError, ConfigError) as exc:
         print(f"kvstack router: {exc}", file=sys.stderr)
         return 2
@@ -401,9 +448,6 @@ def _run_router(args: argparse.Namespace, argv: list[str]) -> int:
         index_max_entries=args.index_max_entries,
         cache_events=cache_events,
     )
-    if args.workers < 1:
-        print("kvstack router: --workers must be at least 1", file=sys.stderr)
-        return 2
     if args.workers > 1:
         return _supervise(argv, args.workers)
     from kvstack.router.workers import WorkerGroupConfig
@@ -487,7 +531,7 @@ def _kubernetes_discovery(args: argparse.Namespace) -> Any:
 
         _asyncio.run(config.load_kube_config())
     return KubernetesDiscovery(
-        args.k8s_namespace, args.k8s_selector, args.k8s_port, api_client=client.ApiClient()
+        args.k8s_namespace, args.k8s_selector or "", args.k8s_port or 8000, api_client=client.ApiClient()
     )
 
 

@@ -33,6 +33,7 @@ import yaml
 
 from kvstack.engines.catalog import CATALOGS
 from kvstack.engines.state import Endpoint, EngineRole
+from kvstack.router.upstream import Origin
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient, CoreV1Api, V1Pod
@@ -222,17 +223,29 @@ def _engine_url(raw: str, where: str) -> str:
     text = raw.strip()
     if "://" not in text:
         text = "http://" + text
-    parts = urlsplit(text)
     try:
-        port = parts.port  # raises on a non-numeric or out-of-range port
-    except ValueError:
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query:
+        _check_base_url(text)
+    except ValueError as exc:
         raise DiscoveryConfigError(
-            f"{where}: {raw!r} is not an engine base URL; expected http(s)://HOST:PORT[/PATH], "
+            f"{where}: {raw!r} is not an engine base URL ({exc}); expected http(s)://HOST:PORT[/PATH], "
             "e.g. http://10.0.0.5:8000"
-        )
+        ) from None
     return text.rstrip("/")
+
+
+def _check_base_url(url: str) -> None:
+    """Raise ``ValueError`` saying what is wrong with ``url`` as an engine base URL."""
+    # What the proxy will connect with: whitespace, a bad IPv6 literal or port fail here, at load, with the
+    # entry named, instead of on every request.
+    Origin.parse(url)
+    parts = urlsplit(url)
+    if parts.query:
+        raise ValueError("a base URL has no query string")
+    if parts.fragment:
+        raise ValueError(
+            f"'#{parts.fragment}': options after '#' are read only in the string form of an entry; "
+            "a mapping entry has the keys type, role, models, node, kv_events"
+        )
 
 
 def _engine_type(value: str, where: str) -> str:
@@ -408,7 +421,10 @@ class FileDiscovery(Discovery):
 
     Every ``poll_interval_s`` the file's (mtime, size, inode) is compared with the last read; on a change
     the content hash decides whether to parse. A valid file publishes only the differences. A missing or
-    invalid file keeps the last good engines and logs one error per distinct problem.
+    invalid file keeps the last good engines and logs one error per distinct problem, naming the entry.
+    One bad entry rejects the whole edit, not just that entry: applying the rest would remove the engine the
+    entry meant (a typo in a URL being edited), and the file would no longer say what the router serves.
+    Polling goes on whatever fails, so the next valid edit is applied.
     """
 
     def __init__(
@@ -432,7 +448,13 @@ class FileDiscovery(Discovery):
 
     async def _run(self) -> None:
         while True:
-            self._poll()
+            try:
+                self._poll()
+            except Exception as exc:
+                # A bug in reading must cost one poll, not reloading for good: nothing else would show that
+                # the router stopped following the file.
+                self._signature = None  # read it again next time
+                self._fail(f"engines file {self._path}: unexpected error {exc!r}", exc_info=True)
             self._synced.set()
             await asyncio.sleep(self._poll_interval_s)
 
@@ -467,7 +489,7 @@ class FileDiscovery(Discovery):
         self._publish({e.url: e for e in endpoints})
         log.info("engines file %s: loaded %d engines", self._path, len(endpoints))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, *, exc_info: bool = False) -> None:
         if message == self._last_error:
             return
         self._last_error = message
@@ -476,7 +498,7 @@ class FileDiscovery(Discovery):
             if self._loaded_once
             else ("no engines loaded from it yet")
         )
-        log.error("%s; %s", message, kept)
+        log.error("%s; %s", message, kept, exc_info=exc_info)
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -14,6 +14,12 @@ template, see ``kvstack.engines.tokenizer``), or remotely, by asking an engine t
 (``POST /tokenize`` with the same fields), which renders with exactly the engine's own code. A local
 tokenizer wins when both are available: it costs no round trip.
 
+Remote: ``engines_for(model)`` lists the engines that may be asked (the router: routable ones serving the
+model, those with fresh metrics first); they take turns. An engine that fails to answer (timeout,
+connection error, 5xx or 404, an unreadable answer) is not asked again for ``remote_cooldown`` seconds
+(default 30), so one hung engine costs one request ``remote_timeout`` per cooldown, not every request.
+A 4xx other than 404 is the prompt's problem and sends no engine to cool down.
+
 Results are cached in a bounded LRU (entries and total tokens) keyed by a 128-bit hash of the prompt
 fields, so a client that repeats a prompt pays once. Prompts longer than ``inline_chars`` are rendered and
 encoded on a worker thread the tokenizer owns, so a 100k-token document does not stall every other request
@@ -144,8 +150,8 @@ class TokenizerStats:
     seconds: float = 0.0  # time spent producing ids (local or remote), cache hits excluded
 
 
-# An engine that serves a model: (base URL) or None when none is routable right now.
-EngineFor = Callable[[str], str | None]
+# The engines (base URLs) that may tokenize for a model, in order of preference; empty when none can.
+EnginesFor = Callable[[str], Sequence[str]]
 
 
 class PromptTokenizer:
@@ -157,23 +163,26 @@ class PromptTokenizer:
         *,
         default: Tokenizer | None = None,
         session: aiohttp.ClientSession | None = None,
-        engine_for: EngineFor | None = None,
+        engines_for: EnginesFor | None = None,
         remote_timeout: float = 2.0,
+        remote_cooldown: float = 30.0,
         cache_entries: int = 4096,
         cache_tokens: int = 16_000_000,
         inline_chars: int = 8192,
         observe: Callable[[str, float], None] | None = None,
     ) -> None:
         """``tokenizers``: model name → tokenizer (``default`` for other models); ``session`` +
-        ``engine_for`` enable remote rendering for models without a local tokenizer.
+        ``engines_for`` enable remote rendering for models without a local tokenizer.
 
-        ``observe(source, seconds)`` is told the cost of each prompt (source ``local``/``remote``/``cache``).
+        ``observe(source, seconds)`` is told the cost of each prompt: source ``local``/``remote``/``cache``,
+        or ``local_failed``/``remote_failed`` for an attempt that gave no ids.
         """
         self.tokenizers = dict(tokenizers or {})
         self.default = default
         self.session = session
-        self.engine_for = engine_for
+        self.engines_for = engines_for
         self.remote_timeout = remote_timeout
+        self.remote_cooldown = remote_cooldown
         self.cache_entries = cache_entries
         self.cache_tokens = cache_tokens
         self.inline_chars = inline_chars
@@ -182,6 +191,8 @@ class PromptTokenizer:
         self._cache: OrderedDict[bytes, tuple[int, ...]] = OrderedDict()
         self._cached_tokens = 0
         self._executor: ThreadPoolExecutor | None = None
+        self._cooling: dict[str, float] = {}  # engine -> monotonic time it may be asked again
+        self._turn = 0
 
     def _local_tokenizer(self, model: str) -> Tokenizer | None:
         return self.tokenizers.get(model, self.default)
@@ -206,12 +217,18 @@ class PromptTokenizer:
             ids = await self._local(tokenizer, prompt)
             source = "local"
         else:
-            ids = await self._remote(model, prompt)
+            engine = self._pick_engine(model)
+            if engine is None:  # nobody to ask: no time spent, nothing to observe
+                self.stats.failures += 1
+                return None
+            ids = await self._remote(engine, model, prompt)
             source = "remote"
         elapsed = time.perf_counter() - started
         self.stats.seconds += elapsed
         if ids is None:
             self.stats.failures += 1
+            if self.observe is not None:
+                self.observe(f"{source}_failed", elapsed)
             return None
         if source == "local":
             self.stats.local += 1
@@ -245,12 +262,21 @@ class PromptTokenizer:
             log.debug("local tokenization failed: %r", exc)
             return None
 
-    async def _remote(self, model: str, prompt: TextPrompt | ChatPrompt) -> tuple[int, ...] | None:
-        if self.session is None or self.engine_for is None:
+    def _pick_engine(self, model: str) -> str | None:
+        """The next engine in turn for ``model`` that is not cooling down, or None."""
+        if self.session is None or self.engines_for is None:
             return None
-        engine = self.engine_for(model)
-        if engine is None:
+        now = time.monotonic()
+        candidates = [e for e in self.engines_for(model) if self._cooling.get(e, 0.0) <= now]
+        if not candidates:
             return None
+        self._turn += 1
+        return candidates[self._turn % len(candidates)]
+
+    async def _remote(
+        self, engine: str, model: str, prompt: TextPrompt | ChatPrompt
+    ) -> tuple[int, ...] | None:
+        assert self.session is not None
         body: dict[str, Any] = {"model": model}
         if isinstance(prompt, TextPrompt):
             body.update(prompt=prompt.text, add_special_tokens=prompt.add_special_tokens)
@@ -260,15 +286,33 @@ class PromptTokenizer:
             timeout = aiohttp.ClientTimeout(total=self.remote_timeout)
             async with self.session.post(f"{engine}/tokenize", json=body, timeout=timeout) as resp:
                 if resp.status != 200:
+                    if resp.status >= 500 or resp.status == 404:
+                        self._cool(engine, f"HTTP {resp.status}")
+                    else:  # the prompt's problem; the engine will tell the client when it serves it
+                        log.debug("engine %s: /tokenize answered %d", engine, resp.status)
                     return None
                 answer = await resp.json(content_type=None)
             tokens = answer["tokens"]
             if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-                return None
+                raise ValueError("'tokens' is not a list of token ids")
             return tuple(tokens)
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-            log.debug("engine %s: /tokenize failed: %r", engine, exc)
-            return None
+        except TimeoutError:
+            self._cool(engine, f"no answer within {self.remote_timeout:g} s")
+        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+            self._cool(engine, repr(exc))
+        return None
+
+    def _cool(self, engine: str, why: str) -> None:
+        now = time.monotonic()
+        # Expired entries go here, so engines that left do not pile up.
+        self._cooling = {e: until for e, until in self._cooling.items() if until > now}
+        self._cooling[engine] = now + self.remote_cooldown
+        log.warning(
+            "engine %s: /tokenize failed (%s); not asking it to tokenize prompts for %g s",
+            engine,
+            why,
+            self.remote_cooldown,
+        )
 
     def close(self) -> None:
         """Join the worker thread (if one was started)."""

@@ -15,8 +15,10 @@ What a scrape changes:
 - success: ``metrics`` = a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
 - failure: the last reading is kept but goes stale once older than ``stale_after`` (default 3 * interval);
   stale signals read as unknown (scorers treat them as saturated), never as idle. After ``unhealthy_after``
-  consecutive connection failures (default 5: nothing listens there, or the engine URL is unusable, such as
-  port 99999) ``healthy`` = False. Any other failure
+  consecutive connection failures (default 5: nothing listens there, the host drops packets so connecting
+  never completes, or the engine URL is unusable, such as port 99999) ``healthy`` = False. A ``MetricsFetch``
+  must give up connecting before ``timeout`` does (the router's allows half of it) and say "connect":
+  a scrape cut short by ``timeout`` counts as "timeout" whatever it was waiting for. Any other failure
   (timeout, HTTP error status, unreadable body, unknown engine type) leaves health alone: the engine is
   there, only its load is unknown; a hung engine is caught by the proxy's timeouts and circuit breaker.
 

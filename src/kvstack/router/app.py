@@ -391,7 +391,12 @@ class RouterApp:
             self.add_engine(_endpoint_of(body))
             return
         url = str(body.get("url", "")).rstrip("/")
-        found = self.remove_engine(url) if op == "remove" else self.registry.set_draining(url, op == "drain")
+        if op == "remove":
+            # An admin's removal ends a drain too (a drain outlives removals by discovery, see registry).
+            self.registry.set_draining(url, False)
+            found = self.remove_engine(url)
+        else:
+            found = self.registry.set_draining(url, op == "drain")
         if not found:
             raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 

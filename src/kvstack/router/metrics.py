@@ -432,9 +432,10 @@ class RouterMetrics:
         )
         self.tokenize_seconds = Histogram(
             "kvstack_router_tokenize_seconds",
-            "Time to get a prompt's token ids for routing, by source (local, remote, cache).",
+            "Time to get a prompt's token ids for routing, by source (local, remote, cache; "
+            "local_failed, remote_failed: the time a failed attempt took).",
             ["source"],
-            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0),
+            buckets=(0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5, 5.0),
             registry=reg,
         )
 

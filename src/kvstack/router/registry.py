@@ -2,11 +2,17 @@
 
 Discovery adds and removes entries; admin endpoints drain them; the proxy updates in-flight counts and
 breaker outcomes; scheduling reads ``states()``. A removed engine's in-flight requests finish normally.
+
+A drain belongs to the engine URL, not to the entry: whatever comes back at a drained URL after discovery
+removed it (a Kubernetes pod flapping NotReady/Ready, a file edit, a new pod given the same IP) is still
+drained, and says so in the log. An undrain (``POST /admin/engines/undrain``, accepted while the URL is
+absent too) or an admin removal (``DELETE /admin/engines``) ends a drain.
 """
 
 from __future__ import annotations
 
 import bisect
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +20,8 @@ from dataclasses import dataclass, field
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.router.circuit import CircuitBreaker, CircuitConfig
 from kvstack.router.workers import SharedInFlight
+
+log = logging.getLogger(__name__)
 
 # Send times kept per engine for least-QPS scoring; older ones are dropped.
 RECENT_WINDOW_S = 10.0
@@ -43,6 +51,7 @@ class EngineRegistry:
         self.on_circuit_open = on_circuit_open
         self._circuit = circuit or CircuitConfig()
         self.default_knowledge = "none"  # EngineState.knowledge of a new engine
+        self._drained: set[str] = set()  # URLs an admin drained, present or not
         # Derived per request on the hot path; recomputed only when an engine or its models change.
         self._models: frozenset[str] | None = None
         self._all_known: bool | None = None
@@ -85,7 +94,10 @@ class EngineRegistry:
             if self.on_circuit_open is not None:
                 hook = self.on_circuit_open
                 breaker.on_open = lambda seconds: hook(url, seconds)
-            entry = EngineEntry(EngineState(endpoint, knowledge=self.default_knowledge), breaker)
+            state = EngineState(endpoint, knowledge=self.default_knowledge, draining=url in self._drained)
+            if state.draining:
+                log.info("engine %s is back and still drained (POST /admin/engines/undrain to use it)", url)
+            entry = EngineEntry(state, breaker)
             if self.shared_in_flight is not None:
                 entry.slot = self.shared_in_flight.slot(url)
             self._entries[url] = entry
@@ -102,10 +114,18 @@ class EngineRegistry:
         return entry
 
     def set_draining(self, url: str, draining: bool) -> bool:
+        """Drain or undrain the engine at ``url``; False when there is none (and no drain to end)."""
         entry = self._entries.get(url)
         if entry is None:
-            return False
+            if draining or url not in self._drained:
+                return False
+            self._drained.discard(url)
+            return True
         entry.state.draining = draining
+        if draining:
+            self._drained.add(url)
+        else:
+            self._drained.discard(url)
         return True
 
     def models(self) -> frozenset[str]:

@@ -198,7 +198,10 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     # cannot starve them, over the lean client: 0.4x of aiohttp's CPU per fetch.
     scrape_pool = UpstreamPool(max_idle_per_origin=1, idle_timeout=max(30.0, 3 * opts.scrape_interval))
     scraper = MetricsScraper(
-        lean_metrics_fetch(scrape_pool, opts.scrape_timeout),
+        # Connecting gets half the scrape's time, so a host that drops packets (the connect never completes)
+        # fails as "connect", which marks the engine unhealthy, not as "timeout", which only makes its
+        # load unknown. An engine a round trip away connects in far less.
+        lean_metrics_fetch(scrape_pool, opts.scrape_timeout / 2),
         registry.states,
         interval=opts.scrape_interval,
         timeout=opts.scrape_timeout,
@@ -283,18 +286,21 @@ def _prompt_tokenizer(
     tokenizers = {model: load_tokenizer(path) for model, path in opts.tokenizers.items() if model != "*"}
     default = opts.tokenizers.get("*")
 
-    def engine_for(model: str) -> str | None:
-        # Any routable engine serving the model renders it exactly as the one that will serve it.
-        for state in registry.states():
-            if state.routable and (not state.endpoint.models or model in state.endpoint.models):
-                return state.url
-        return None
+    def engines_for(model: str) -> list[str]:
+        # Any routable engine serving the model renders it exactly as the one that will serve it. Those with
+        # fresh metrics answered a scrape lately; a hung engine's scrapes time out, so it drops out here.
+        serving = [
+            s
+            for s in registry.states()
+            if s.routable and (not s.endpoint.models or model in s.endpoint.models)
+        ]
+        return [s.url for s in serving if not s.metrics_stale] or [s.url for s in serving]
 
     return PromptTokenizer(
         tokenizers,
         default=None if default is None else load_tokenizer(default),
         session=session if opts.remote_tokenize else None,
-        engine_for=engine_for if opts.remote_tokenize else None,
+        engines_for=engines_for if opts.remote_tokenize else None,
         observe=metrics.tokenized,
     )
 
