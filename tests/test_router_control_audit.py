@@ -335,3 +335,34 @@ async def test_an_admin_removal_ends_a_drain() -> None:
         assert entry is not None and not entry.state.draining
     finally:
         await router.stop()
+
+
+@pytest.mark.parametrize("where", ["spec", "file"])
+def test_a_kv_events_endpoint_must_be_tcp_or_ipc(where: str) -> None:
+    from kvstack.engines.discovery import parse_engine_spec
+
+    with pytest.raises(DiscoveryConfigError, match="must be tcp://host:port or ipc://path"):
+        if where == "spec":
+            parse_engine_spec("http://h:8000#kv-events=127.0.0.1:5557")
+        else:
+            parse_engines_file("engines:\n  - {url: 'http://h:8000', kv_events: '127.0.0.1:5557'}\n")
+    assert parse_engine_spec("http://h:8000#kv-events=ipc:///tmp/e").kv_events_endpoint == "ipc:///tmp/e"
+
+
+async def test_without_kv_events_a_removed_engines_history_is_forgotten() -> None:
+    from kvstack.router.server import start_router
+
+    url = "http://127.0.0.1:9"
+    router = await start_router(
+        RouterOptions(
+            port=0, engines=[Endpoint(url, models=frozenset({"m"}))], kv_events=False, routing="prefix"
+        )
+    )
+    try:
+        assert router.locator is not None
+        router.locator.history.record(url, [1, 2, 3], time.monotonic())
+        assert url in router.locator.history.locations()
+        router.app.remove_engine(url)
+        assert url not in router.locator.history.locations()
+    finally:
+        await router.stop()

@@ -248,6 +248,13 @@ def _check_base_url(url: str) -> None:
         )
 
 
+def _kv_events_endpoint(value: str | None, where: str) -> str | None:
+    """A ZMQ endpoint the router can connect to: tcp://host:port or ipc://path."""
+    if value is not None and not value.startswith(("tcp://", "ipc://")):
+        raise DiscoveryConfigError(f"{where}: kv-events {value!r} must be tcp://host:port or ipc://path")
+    return value
+
+
 def _engine_type(value: str, where: str) -> str:
     engine_type = value.strip().lower()
     if engine_type not in ENGINE_TYPES:
@@ -295,7 +302,7 @@ def parse_engine_spec(spec: str, where: str = "--engine") -> Endpoint:
         elif key == "node":
             node = value
         elif key == "kv-events":
-            kv_events = value
+            kv_events = _kv_events_endpoint(value, where)
         else:
             raise DiscoveryConfigError(
                 f"{where}: unknown option {key!r}; known: type, role, model, node, kv-events"
@@ -378,7 +385,7 @@ def _file_entry(entry: object, where: str) -> Endpoint:
         models=frozenset(models),
         labels=tuple(sorted((str(k), str(v)) for k, v in labels.items())),
         node=text("node"),
-        kv_events_endpoint=text("kv_events"),
+        kv_events_endpoint=_kv_events_endpoint(text("kv_events"), where),
     )
 
 
@@ -568,6 +575,12 @@ def pod_endpoint(
             kv_events = f"tcp://{host}:{kv_events}"
         elif "*" in kv_events:
             kv_events = kv_events.replace("*", host)
+        try:
+            kv_events = _kv_events_endpoint(kv_events, name)
+        except DiscoveryConfigError as e:
+            if warn:
+                warn(f"{e} (annotation {keys.kv_events_annotation}); ignoring it")
+            kv_events = None
     models = frozenset(m.strip() for m in annotations.get(keys.models_annotation, "").split(",") if m.strip())
     spec = pod.spec
     return Endpoint(

@@ -162,7 +162,8 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         session,
         expected_models=opts.expected_models,
         extra_state=lambda state: _prefix_state(state, feeds, locator),
-        listeners=[] if feeds is None else [feeds],
+        # Without event feeds (which forget a removed engine's entries), the locator forgets its history.
+        listeners=[_ForgetOnRemoval(locator)] if feeds is None else [feeds],
         group=group,
         on_metrics=lambda: _index_gauges(metrics, locator),
     )
@@ -268,6 +269,19 @@ def _circuit_broadcaster(group: WorkerGroup) -> Callable[[str, float], None]:
         task.add_done_callback(pending.discard)
 
     return opened
+
+
+class _ForgetOnRemoval:
+    """An engine listener dropping a removed engine's history: a new engine at its URL starts anew."""
+
+    def __init__(self, locator: PrefixLocator) -> None:
+        self._locator = locator
+
+    def engine_added(self, endpoint: Endpoint) -> None:
+        pass
+
+    def engine_removed(self, url: str) -> None:
+        self._locator.forget(url)
 
 
 def _index_gauges(metrics: RouterMetrics, locator: PrefixLocator) -> None:
