@@ -7,10 +7,11 @@ unless KVSTACK_REQUIRE_VLLM=1 (as `make test` and CI set it), in which case they
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 
 from harness import EngineProcess, start_sim, start_vllm, vllm_missing_reason
 from kvstack.engines.tiny_model import make_tiny_model
@@ -51,3 +52,11 @@ def sim_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
 def engine(request: pytest.FixtureRequest) -> EngineProcess:
     """Each conformance test runs once against the simulator and once against real vLLM."""
     return request.getfixturevalue(f"{request.param}_engine")
+
+
+@pytest.fixture
+async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
+    """A ZMQ context for one test, its sockets closed without lingering at the end."""
+    context = zmq.asyncio.Context()
+    yield context
+    context.destroy(linger=0)

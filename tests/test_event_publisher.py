@@ -3,7 +3,6 @@
 import asyncio
 import os
 import textwrap
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import msgspec
@@ -38,13 +37,6 @@ def _stored(first_token: int) -> BlockStored:
         token_ids=[first_token, first_token + 1],
         block_size=2,
     )
-
-
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _client(ctx: zmq.asyncio.Context, kind: int, endpoint: str) -> zmq.asyncio.Socket:

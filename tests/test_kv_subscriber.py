@@ -150,13 +150,6 @@ class ScriptedPublisher:
             self.router.close(linger=0)
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 @contextlib.asynccontextmanager
 async def subscribed(
     ctx: zmq.asyncio.Context, publisher: ScriptedPublisher

@@ -31,13 +31,6 @@ from test_kv_subscriber import CountingObserver, RecordingSink, ScriptedPublishe
 TIMEOUT = 3.0
 
 
-@pytest.fixture
-async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
-    context = zmq.asyncio.Context()
-    yield context
-    context.destroy(linger=0)
-
-
 @contextlib.asynccontextmanager
 async def following(
     ctx: zmq.asyncio.Context, *publishers: ScriptedPublisher, **options: Any

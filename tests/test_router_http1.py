@@ -206,7 +206,9 @@ async def test_streams_chunked_close_delimited_for_http10_and_head_has_no_body()
         await served.server.close()
 
 
-async def test_client_disconnect_cancels_the_handler() -> None:
+@pytest.mark.parametrize("leave", ["close", "half-close"])
+async def test_client_disconnect_cancels_the_handler(leave: str) -> None:
+    """A close, or a half-close (its FIN is all the server sees of a close too: taken as leaving)."""
     started, cancelled = asyncio.Event(), asyncio.Event()
 
     async def handler(request: Request, conn: Connection) -> Response:
@@ -223,7 +225,10 @@ async def test_client_disconnect_cancels_the_handler() -> None:
         _, writer = await served.open()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         await asyncio.wait_for(started.wait(), 10)
-        writer.close()
+        if leave == "close":
+            writer.close()
+        else:
+            writer.write_eof()
         await asyncio.wait_for(cancelled.wait(), 10)
     finally:
         await served.server.close()
