@@ -170,13 +170,10 @@ async def test_remote_tokenize_rotates_and_rests_an_engine_that_does_not_answer(
             remote_cooldown=60.0,
             observe=lambda source, seconds: observed.append((source, seconds)),
         )
-        started = time.monotonic()
         answers = [await prompts.token_ids(MODEL, TextPrompt(f"prompt {i}")) for i in range(8)]
-        elapsed = time.monotonic() - started
     # The hung engine cost one request its timeout; then it rested and the other engine answered.
     assert hung_asked == ["/tokenize"] and len(good_asked) == 7
     assert answers.count(None) == 1 and answers.count((1, 2, 3)) == 7
-    assert elapsed < 0.3 + 1.0
     failed = [seconds for source, seconds in observed if source == "remote_failed"]
     assert len(failed) == 1 and failed[0] >= 0.3
     assert [source for source, _ in observed].count("remote") == 7
