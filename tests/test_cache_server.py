@@ -560,3 +560,11 @@ def test_request_counts_render_as_prometheus_counters_and_histograms() -> None:
     assert expected <= set(lines)
     sums = [line for line in lines if line.startswith('kvstack_cache_operation_seconds_sum{op="lookup"}')]
     assert len(sums) == 1 and float(sums[0].split()[-1]) == pytest.approx(7.00125)
+
+
+async def test_a_put_naming_an_overlong_model_is_refused() -> None:
+    async with serving() as srv, AsyncCacheClient(srv.endpoint or "") as client:
+        keys = chunk_keys(list(range(CHUNK)), LAYOUT, CHUNK)
+        assert not await client.put(keys, [b"x"], token_ids=[list(range(CHUNK))], model="m" * 257)
+        assert client.stats.failures == {"error:bad_request": 1}
+        assert await client.put(keys, [b"x"], token_ids=[list(range(CHUNK))], model="m" * 256)

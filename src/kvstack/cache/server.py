@@ -84,6 +84,7 @@ from kvstack.cache.tiers.base import Payload
 __all__ = ["CacheServer"]
 
 log = logging.getLogger(__name__)
+MAX_MODEL_CHARS = 256  # Put.model
 
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
 _SWEEP_INTERVAL_S = 5.0
@@ -464,6 +465,9 @@ class CacheServer:
             )
         if request.parent is not None and len(request.parent) != KEY_BYTES:
             raise ProtocolError(ErrorCode.BAD_REQUEST, f"parent is {len(request.parent)} bytes, not 32", rid)
+        if request.model is not None and len(request.model) > MAX_MODEL_CHARS:
+            # Kept with every chunk the events remember: a model name, not a payload.
+            raise ProtocolError(ErrorCode.BAD_REQUEST, f"model is over {MAX_MODEL_CHARS} characters", rid)
         if request.token_ids is not None and len(request.token_ids) > n:
             raise ProtocolError(
                 ErrorCode.BAD_REQUEST, f"{len(request.token_ids)} token lists for {n} keys", rid
