@@ -51,6 +51,13 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     g.add_argument("--disk-gb", type=float, default=10.0, help="disk tier budget in GiB")
     g.add_argument("--disk-fsync", choices=["never", "data", "always"], default="never")
     g.add_argument(
+        "--disk-inline-read-mib",
+        type=float,
+        default=16.0,
+        help="per request, disk hits wholly in the page cache up to this many MiB are read on the event loop "
+        "instead of the I/O threads (0: always the threads)",
+    )
+    g.add_argument(
         "--redis-url", help="Redis/Valkey tier, e.g. redis://127.0.0.1:6379/0 (off when not given)"
     )
     g.add_argument("--redis-prefix", default="kvstack:kv:")
@@ -88,7 +95,14 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
 def _tiers(args: argparse.Namespace) -> list[Tier]:
     tiers: list[Tier] = [MemoryTier(int(args.memory_gb * _GB))]
     if args.disk_dir:
-        tiers.append(DiskTier(args.disk_dir, int(args.disk_gb * _GB), fsync=args.disk_fsync))
+        tiers.append(
+            DiskTier(
+                args.disk_dir,
+                int(args.disk_gb * _GB),
+                fsync=args.disk_fsync,
+                inline_read_bytes=int(args.disk_inline_read_mib * (1 << 20)),
+            )
+        )
     if args.redis_url:
         from kvstack.cache.tiers.redis import RedisTier  # imports redis-py only when used
 
@@ -131,6 +145,8 @@ def run_cache_server(args: argparse.Namespace) -> int:
     try:
         if args.memory_gb <= 0 or args.disk_gb <= 0 or args.chunk_size < 1 or args.max_message_mb <= 0:
             raise ValueError("--memory-gb, --disk-gb, --chunk-size and --max-message-mb must be positive")
+        if not args.disk_inline_read_mib >= 0:  # NaN too
+            raise ValueError("--disk-inline-read-mib must be >= 0")
         secret = _secret(args.secret_file)
         store = TieredStore(_tiers(args), write_queue_size=args.write_queue)
         server = CacheServer(

@@ -7,7 +7,8 @@ Read from the store at scrape time (a collector over ``TieredStore.stats()``; la
 - ``kvstack_cache_bytes{tier}``, ``kvstack_cache_capacity_bytes{tier}``, ``kvstack_cache_entries{tier}``
 - ``kvstack_cache_evictions_total{tier}``, ``kvstack_cache_write_drops_total{tier}``,
   ``kvstack_cache_tier_errors_total{tier}``, ``kvstack_cache_corrupt_total{tier}``,
-  ``kvstack_cache_tier_up{tier}``
+  ``kvstack_cache_tier_up{tier}``, ``kvstack_cache_page_cache_reads_total{tier}`` (disk hits read on the
+  event loop because the file was wholly in the page cache)
 - ``kvstack_cache_queue_drops_total{tier}`` (write-behind queue full), ``kvstack_cache_write_queue{tier}``
   (writes waiting), ``kvstack_cache_promotions_total``.
 
@@ -84,6 +85,9 @@ class _StoreCollector(Collector):
         capacity = gauge("kvstack_cache_capacity_bytes", "Byte budget")
         entries = gauge("kvstack_cache_entries", "Chunks held")
         up = gauge("kvstack_cache_tier_up", "1 when the tier is reachable")
+        page_cache = counter(
+            "kvstack_cache_page_cache_reads", "Disk hits read on the event loop from the page cache"
+        )
         for name, tier in stats.tiers.items():
             hits.add_metric([name], tier.hits)
             misses.add_metric([name], tier.misses)
@@ -98,12 +102,14 @@ class _StoreCollector(Collector):
                 capacity.add_metric([name], tier.capacity_bytes)
             if tier.entries is not None:
                 entries.add_metric([name], tier.entries)
+            if tier.page_cache_reads is not None:
+                page_cache.add_metric([name], tier.page_cache_reads)
         queue_drops = counter("kvstack_cache_queue_drops", "Writes dropped: queue full")
         queued = gauge("kvstack_cache_write_queue", "Writes waiting for a lower tier")
         for name, n in stats.queue_drops.items():
             queue_drops.add_metric([name], n)
             queued.add_metric([name], stats.queued.get(name, 0))
-        yield from (hits, misses, evictions, drops, errors, corrupt, size, capacity, entries, up)
+        yield from (hits, misses, evictions, drops, errors, corrupt, size, capacity, entries, up, page_cache)
         yield from (queue_drops, queued)
         yield CounterMetricFamily(
             "kvstack_cache_promotions",

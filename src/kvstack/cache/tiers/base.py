@@ -81,6 +81,9 @@ class TierStats:
     entries: int | None = 0
     capacity_bytes: int | None = None
     up: bool = True
+    page_cache_reads: int | None = None
+    """Hits read on the event loop because their file was wholly in the page cache (the disk tier; None
+    for tiers that do not read files)."""
 
     def copy(self) -> TierStats:
         return replace(self)

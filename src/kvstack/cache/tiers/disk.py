@@ -56,7 +56,16 @@ sets the limit to what the tier's files take plus what is free, never above ``ca
 by others is used again. (A quota is not visible to ``statvfs``: an exhausted one costs one dropped write
 per re-check.) Failed writes are logged at most once per 10 s per errno, with how many were not.
 
-All blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
+Page-cache hits are read on the event loop: before a ``get_many`` hands files to its threads, the tier asks
+the kernel (``cachestat``, Linux 6.5+, see `pagecache`) whether each file is wholly in the page cache, and
+reads those on the loop, up to ``inline_read_bytes`` per call (16 MiB: ~2 ms of the loop at this machine's
+memory speed; 0 turns it off), while its threads read the rest. Mapping and checksumming a cached file is a
+memory read, like a memory-tier hit, and a thread hop costs about as much as a cached MiB (measured
+2026-12-03 on warm 1 MiB files, batches of 8: 5.4-7.6 GB/s through the threads, 7.5-9.3 on the loop, against
+dd's 8.3-8.8). A page evicted between the question and the read is read from the disk on the loop: rare, and
+bounded by the budget. Without ``cachestat`` every read goes to the threads.
+
+All other blocking file I/O runs in a thread pool the tier creates in ``start`` and shuts down (joining its
 threads) in ``close``; a ``get_many``/``put_many`` batch is cut into at most ``io_threads`` jobs of at least 1
 MiB each: a job's hop through the pool (~70 µs here, ~170 µs for two gathered) costs more than a small file's
 I/O, while two jobs of 4 MiB each read 1.4x faster than one of 8 MiB when the other core is free (0.87x when
@@ -90,6 +99,7 @@ import xxhash
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.protocol import ThrottledLog
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
+from kvstack.cache.tiers.pagecache import PageCache
 from kvstack.cache.tiers.record import (
     HEADER_BYTES,
     CorruptRecord,
@@ -163,18 +173,24 @@ class DiskTier(Tier):
         *,
         fsync: FsyncPolicy = "never",
         io_threads: int = 2,
+        inline_read_bytes: int = 16 << 20,
         name: str = "disk",
     ) -> None:
         if fsync not in ("never", "data", "always"):
             raise ValueError(f"fsync must be never, data or always, got {fsync!r}")
-        if capacity_bytes < 0 or io_threads < 1:
-            raise ValueError(f"need capacity_bytes >= 0, io_threads >= 1; got {capacity_bytes}, {io_threads}")
+        if capacity_bytes < 0 or io_threads < 1 or inline_read_bytes < 0:
+            raise ValueError(
+                "need capacity_bytes >= 0, io_threads >= 1, inline_read_bytes >= 0; "
+                f"got {capacity_bytes}, {io_threads}, {inline_read_bytes}"
+            )
         self.name = name
         self.root = Path(root)
         self._root = os.fspath(self.root)
         self.capacity_bytes = capacity_bytes
         self.fsync: FsyncPolicy = fsync
         self._io_threads = io_threads
+        self.inline_read_bytes = inline_read_bytes
+        self._page_cache = PageCache()  # asked on the event loop only
         self._pool: ThreadPoolExecutor | None = None
         self._inflight: set[asyncio.Future[Any]] = set()
         self._index: OrderedDict[ChunkKey, _File] = OrderedDict()  # LRU first
@@ -184,6 +200,7 @@ class DiskTier(Tier):
         self._recheck_at = 0.0  # monotonic time of the next free-space check while limited
         self._tmp_seq = itertools.count()
         self._stats = TierStats(capacity_bytes=capacity_bytes)
+        self._page_cache_reads = 0
         self._write_warnings: dict[int | None, ThrottledLog] = {}  # by errno
 
     @property
@@ -233,12 +250,21 @@ class DiskTier(Tier):
             if file is not None:
                 self._index.move_to_end(key)
                 files[key] = file
-        parts = list(_slices(list(files), self._jobs(sum(file.size for file in files.values()))))
         reads: dict[ChunkKey, _Read] = {}
+        cached, uncached = self._sort_by_residency(files, reads)
+        parts = list(_slices(uncached, self._jobs(sum(files[key].size for key in uncached))))
+        jobs = [self._submit(partial(self._read_batch, part)) for part in parts]  # the threads start now
+        for i, (key, fd) in enumerate(cached):
+            try:
+                reads[key] = self._read_file(key, fd)
+            except BaseException:
+                for _, left in cached[i + 1 :]:
+                    os.close(left)
+                raise
+            if reads[key].data is not None:
+                self._page_cache_reads += 1
         for part, results in zip(
-            parts,
-            await asyncio.gather(*(self._run(partial(self._read_batch, part)) for part in parts)),
-            strict=True,
+            parts, await asyncio.gather(*(asyncio.shield(job) for job in jobs)), strict=True
         ):
             reads.update(zip(part, results, strict=True))
         out: list[Payload | None] = []
@@ -367,6 +393,7 @@ class DiskTier(Tier):
         stats = self._stats.copy()
         stats.bytes = self._used + self._reserved
         stats.entries = len(self._index)
+        stats.page_cache_reads = self._page_cache_reads
         return stats
 
     # -- index (event loop only)
@@ -436,6 +463,13 @@ class DiskTier(Tier):
     async def _run(self, job: Callable[[], _T], settle: Callable[[_T | None], None] | None = None) -> _T:
         """Run ``job`` in the tier's threads; ``settle`` sees its result (None if it raised) on the loop,
         whether or not the awaiting task is cancelled meanwhile."""
+        return await asyncio.shield(self._submit(job, settle))
+
+    def _submit(
+        self, job: Callable[[], _T], settle: Callable[[_T | None], None] | None = None
+    ) -> asyncio.Future[_T]:
+        """Hand ``job`` to the tier's threads now (see `_run`); await the future shielded, so a cancelled
+        caller leaves it in ``_inflight`` until it ends (``close`` waits for it)."""
         if self._pool is None:
             raise RuntimeError(f"disk tier {self.name} is not started")
         future = asyncio.get_running_loop().run_in_executor(self._pool, job)
@@ -445,7 +479,33 @@ class DiskTier(Tier):
             future.add_done_callback(
                 lambda f: settle(None if f.cancelled() or f.exception() is not None else f.result())
             )
-        return await asyncio.shield(future)
+        return future
+
+    def _sort_by_residency(
+        self, files: dict[ChunkKey, _File], reads: dict[ChunkKey, _Read]
+    ) -> tuple[list[tuple[ChunkKey, int]], list[ChunkKey]]:
+        """The files to read on the loop (wholly in the page cache, within ``inline_read_bytes``; each with
+        its open descriptor) and the keys to read in the threads. A file that cannot be opened goes into
+        ``reads`` as what its read would have been."""
+        budget = self.inline_read_bytes
+        if not budget or not self._page_cache.available:
+            return [], list(files)
+        cached: list[tuple[ChunkKey, int]] = []
+        uncached: list[ChunkKey] = []
+        for key, file in files.items():
+            if file.size > budget:
+                uncached.append(key)
+                continue
+            fd = self._open_for_read(key)
+            if not isinstance(fd, int):
+                reads[key] = fd
+            elif self._page_cache.resident(fd, file.size):
+                cached.append((key, fd))
+                budget -= file.size
+            else:
+                os.close(fd)  # the thread reopens it: ~2 µs, against a read from the disk
+                uncached.append(key)
+        return cached, uncached
 
     # -- files (tier threads only)
 
