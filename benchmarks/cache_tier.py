@@ -437,12 +437,15 @@ def bench_memory(cfg: Config, report: Report, say: Callable[[str], None], deadli
 
 
 # -- cache server -----------------------------------------------------------------------------------
-def start_cache_server(memory_bytes: int, log_path: Path) -> tuple[Child, str]:
+def start_cache_server(memory_bytes: int, log_path: Path) -> tuple[Child, str, str]:
+    """The server (memory tier only), its ZMQ endpoint and its unix-socket endpoint."""
     cmd = [
         str(KVSTACK),
         "cache-server",
         "--bind",
         f"tcp://{HOST}:0",
+        "--unix-socket",
+        str(log_path.parent / "cache-server.sock"),
         "--memory-gb",
         repr(memory_bytes / (1 << 30)),
         "--node",
@@ -453,13 +456,13 @@ def start_cache_server(memory_bytes: int, log_path: Path) -> tuple[Child, str]:
     child = Child.start("kvstack cache-server", cmd, log_path, stdout_pipe=True)
     try:
         line = child.read_line(30.0)
-        found = re.search(r" on (tcp://\S+?)(,|$)", line)
+        found = re.search(r" on (tcp://\S+) and (unix://\S+?)(,|$)", line)
         if found is None:
-            raise BenchError(f"cannot read the endpoint from the server's first line: {line!r}")
+            raise BenchError(f"cannot read the endpoints from the server's first line: {line!r}")
     except BaseException:
         child.stop()
         raise
-    return child, found.group(1)
+    return child, found.group(1), found.group(2)
 
 
 ClientKind = tuple[str, CacheClient | AsyncCacheClient]
@@ -726,7 +729,19 @@ def c_of(kind: str, cfg: Config) -> int:
 # A ROUTER that sends every message back: the round-trip floor of ZMQ on this machine, without kvstack.
 ECHO_SERVER = r"""
 import asyncio, sys, zmq
-if sys.argv[1] == "sync":
+if sys.argv[1] == "unix":
+    import uvloop
+    class Echo(asyncio.Protocol):
+        def connection_made(self, transport):
+            self.transport = transport
+        def data_received(self, data):
+            self.transport.write(data)
+    async def main():
+        await asyncio.get_running_loop().create_unix_server(Echo, sys.argv[2])
+        print(sys.argv[2], flush=True)
+        await asyncio.Event().wait()
+    uvloop.run(main())
+elif sys.argv[1] == "sync":
     sock = zmq.Context().socket(zmq.ROUTER)
     sock.bind("tcp://127.0.0.1:0")
     print(sock.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
@@ -742,22 +757,39 @@ else:
             await sock.send_multipart(await sock.recv_multipart(copy=False), copy=False)
     uvloop.run(main())
 """
-ECHO_KINDS = ("sync", "asyncio")
+ECHO_KINDS = ("sync", "asyncio", "unix")
 
 
 class EchoFloor:
-    """Round trips of a 4 KiB message (the size of 128 keys) to an echo ROUTER in its own process."""
+    """Round trips of a 4 KiB message (the size of 128 keys) to an echo server in its own process: a ZMQ
+    ROUTER (sync or zmq.asyncio) with a DEALER client, or a uvloop unix-socket server with a blocking
+    socket client."""
 
     def __init__(self, kind: str, work: Path) -> None:
-        cmd = [sys.executable, "-c", ECHO_SERVER, kind]
-        self.child = Child.start(f"zmq echo ({kind})", cmd, work / "echo.log", stdout_pipe=True)
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.connect(self.child.read_line(10.0))
+        cmd = [sys.executable, "-c", ECHO_SERVER, kind, str(work / "echo.sock")]
+        self.child = Child.start(f"echo ({kind})", cmd, work / f"echo-{kind}.log", stdout_pipe=True)
+        where = self.child.read_line(10.0)
         self.message = [bytes(PROMPT_CHUNKS * 32), b""]
+        self.ctx: zmq.Context[Any] | None = None
+        self.unix: socket.socket | None = None
+        if kind == "unix":
+            self.unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.unix.settimeout(2.0)
+            self.unix.connect(where)
+        else:
+            self.ctx = zmq.Context()
+            self.sock = self.ctx.socket(zmq.DEALER)
+            self.sock.connect(where)
 
     def round_trip(self) -> int:
         t0 = time.perf_counter_ns()
+        if self.unix is not None:
+            message = self.message[0]
+            self.unix.sendall(message)
+            got = 0
+            while got < len(message):
+                got += len(self.unix.recv(65536))
+            return time.perf_counter_ns() - t0
         self.sock.send_multipart(self.message)
         if not self.sock.poll(2000):
             raise BenchError(f"{self.child.name} did not answer within 2 s")
@@ -765,27 +797,39 @@ class EchoFloor:
         return time.perf_counter_ns() - t0
 
     def close(self) -> None:
-        self.sock.close(linger=0)
-        self.ctx.term()
+        if self.unix is not None:
+            self.unix.close()
+        if self.ctx is not None:
+            self.sock.close(linger=0)
+            self.ctx.term()
         self.child.stop()
 
 
 # name, what the row shows, judged
 LOOKUP_ROWS = (
-    ("list", "token ids (list) -> chunk_keys -> CacheClient.lookup", True),
-    ("packed", "token ids (packed uint32 array) -> chunk_keys -> CacheClient.lookup", False),
+    ("list", "token ids (list) -> chunk_keys -> CacheClient.lookup, unix socket", True),
+    ("list_zmq", "token ids (list) -> chunk_keys -> CacheClient.lookup, ZMQ tcp", False),
+    ("packed", "token ids (packed uint32 array) -> chunk_keys -> CacheClient.lookup, unix socket", False),
     ("keys_list", "chunk_keys, ids from a list", False),
     ("keys_packed", "chunk_keys, ids packed", False),
-    ("round_trip", "CacheClient.lookup round trip (keys given)", False),
-    ("async_round_trip", "AsyncCacheClient.lookup round trip (keys given)", False),
+    ("round_trip", "CacheClient.lookup round trip, unix socket (keys given)", False),
+    ("round_trip_zmq", "CacheClient.lookup round trip, ZMQ tcp (keys given)", False),
+    ("async_round_trip", "AsyncCacheClient.lookup round trip, unix socket (keys given)", False),
     ("store", "TieredStore.lookup in process (keys given)", False),
+    ("echo_unix", "floor: unix socket echo round trip, uvloop server", False),
     ("echo_sync", "floor: ZMQ echo round trip, sync ROUTER", False),
     ("echo_asyncio", "floor: ZMQ echo round trip, zmq.asyncio ROUTER (uvloop)", False),
 )
 
 
 async def bench_lookup(
-    cfg: Config, endpoint: str, server_pid: int, work: Path, report: Report, say: Callable[[str], None]
+    cfg: Config,
+    endpoint: str,
+    unix_endpoint: str,
+    server_pid: int,
+    work: Path,
+    report: Report,
+    say: Callable[[str], None],
 ) -> None:
     """Every measurement of one iteration runs back to back, so each sees the same moment of this shared
     machine: a lookup from a list, one from packed ids, the parts, and the echo floors."""
@@ -796,8 +840,9 @@ async def bench_lookup(
     packed = [array("I", p) for p in prompts]
     prompt_keys = [chunk_keys(p, LAYOUT, CHUNK_TOKENS) for p in prompts]
     payload = bytes(4096)  # the lookup reads no payload; its size does not matter
-    client = CacheClient(endpoint, timeout_s=2.0, name="bench-lookup")
-    async_client = AsyncCacheClient(endpoint, timeout_s=2.0, shm=False, name="bench-lookup-async")
+    client = CacheClient(unix_endpoint, timeout_s=2.0, name="bench-lookup")
+    zmq_client = CacheClient(endpoint, timeout_s=2.0, name="bench-lookup-zmq")
+    async_client = AsyncCacheClient(unix_endpoint, timeout_s=2.0, shm=False, name="bench-lookup-async")
     store = TieredStore([MemoryTier(64 * MiB)])
     floors: dict[str, EchoFloor] = {}
     await store.start()
@@ -830,14 +875,20 @@ async def bench_lookup(
             t5 = clock()
             local, _ = await store.lookup(keys)
             t6 = clock()
-            found = (held, held_packed, async_held, local)
-            if found != (PROMPT_CHUNKS,) * 4:
+            keys = chunk_keys(prompts[n], LAYOUT, CHUNK_TOKENS)
+            t7 = clock()
+            zmq_held = zmq_client.lookup(keys)
+            t8 = clock()
+            found = (held, held_packed, async_held, local, zmq_held)
+            if found != (PROMPT_CHUNKS,) * 5:
                 raise BenchError(f"lookups found {found} of {PROMPT_CHUNKS} held chunks")
             echoes = {name: floor.round_trip() for name, floor in floors.items()}
             if i < warmup:
                 continue
             for name, ns in (
                 ("list", t2 - t0),
+                ("list_zmq", t8 - t6),
+                ("round_trip_zmq", t8 - t7),
                 ("packed", t4 - t2),
                 ("keys_list", t1 - t0),
                 ("keys_packed", t3 - t2),
@@ -847,10 +898,12 @@ async def bench_lookup(
                 *echoes.items(),
             ):
                 times[name].append(ns)
-        # three lookups reach the server per iteration: from a list, from packed ids, the async client
-        server_cpu_us = (process_cpu_seconds(server_pid) - cpu0) / (3 * cfg.lookup_iterations) * 1e6
+        # four lookups reach the server per iteration: from a list and from packed ids over the unix socket,
+        # the async client, from a list through ZMQ
+        server_cpu_us = (process_cpu_seconds(server_pid) - cpu0) / (4 * cfg.lookup_iterations) * 1e6
     finally:
         client.close()
+        zmq_client.close()
         await async_client.aclose()
         await store.stop()
         for floor in floors.values():
@@ -872,7 +925,8 @@ async def bench_lookup(
             )
         )
     say(
-        f"lookup: from a list p50 {pct(times['list'], 50):.0f} / p99 {pct(times['list'], 99):.0f} µs, "
+        f"lookup: from a list p50 {pct(times['list'], 50):.0f} / p99 {pct(times['list'], 99):.0f} µs "
+        f"(ZMQ {pct(times['list_zmq'], 50):.0f} / {pct(times['list_zmq'], 99):.0f}), "
         f"packed p50 {pct(times['packed'], 50):.0f} / p99 {pct(times['packed'], 99):.0f} µs, "
         f"echo p50 {pct(times['echo_sync'], 50):.0f} / p99 {pct(times['echo_sync'], 99):.0f} µs; "
         f"server CPU {server_cpu_us:.0f} µs per lookup"
@@ -1319,13 +1373,16 @@ def run(cfg: Config, sections: Sequence[str], work: Path, report: Report, consol
     if "server" in sections or "lookup" in sections:
         # room for every chunk of the working set plus the lookup's prompts (4 KiB payloads)
         memory = cfg.working_set + 16 * MiB
-        server, endpoint = start_cache_server(memory, work / "cache-server.log")
-        say(f"cache server pid {server.proc.pid} on {endpoint}")
+        server, endpoint, unix_endpoint = start_cache_server(memory, work / "cache-server.log")
+        say(f"cache server pid {server.proc.pid} on {endpoint} and {unix_endpoint}")
         try:
             if "server" in sections:
                 section("server", lambda: bench_server(cfg, endpoint, server.proc.pid, report, say, deadline))
             if "lookup" in sections:
-                section("lookup", lambda: bench_lookup(cfg, endpoint, server.proc.pid, work, report, say))
+                section(
+                    "lookup",
+                    lambda: bench_lookup(cfg, endpoint, unix_endpoint, server.proc.pid, work, report, say),
+                )
         finally:
             server.stop()
             report.raw["server_log_tail"] = (work / "cache-server.log").read_text(errors="replace")[-2000:]

@@ -52,11 +52,12 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import socket
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import msgspec
 import zmq
@@ -64,6 +65,7 @@ import zmq.asyncio
 
 from kvstack.cache.protocol import (
     IN_FRAME,
+    UNIX_SCHEME,
     Clear,
     ClearReply,
     ErrorCode,
@@ -78,18 +80,21 @@ from kvstack.cache.protocol import (
     HelloReply,
     Lookup,
     LookupReply,
+    ProtocolError,
     Put,
     PutReply,
     Reply,
     Stats,
     StatsReply,
     ThrottledLog,
+    UnixFramer,
     decode_reply,
     encode,
     join_keys,
     recv_frames,
     request_mac,
     send_frames,
+    unix_head,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ClientArena
 from kvstack.cache.tiers.base import Payload, byte_view
@@ -237,7 +242,17 @@ class _ClientCore:
         log_interval_s: float,
     ) -> None:
         if not endpoint or "://" not in endpoint:
-            raise ValueError(f"endpoint must be a ZMQ endpoint like tcp://127.0.0.1:5560, got {endpoint!r}")
+            raise ValueError(
+                "endpoint must be a ZMQ endpoint like tcp://127.0.0.1:5560 or a unix socket like "
+                f"unix:///run/kvstack/cache.sock, got {endpoint!r}"
+            )
+        self.unix_path: str | None = None
+        if endpoint.startswith(UNIX_SCHEME):
+            self.unix_path = endpoint[len(UNIX_SCHEME) :]
+            if not self.unix_path:
+                raise ValueError(
+                    f"a unix endpoint needs a path, like unix:///run/kvstack/cache.sock, got {endpoint!r}"
+                )
         if secret is not None and not secret:
             raise ValueError("secret must be non-empty (or None)")
         if timeout_s <= 0 or not 0 < retry_initial_s <= retry_max_s:
@@ -312,8 +327,8 @@ class _ClientCore:
             return self.failed(None, Failure("down", f"{self.endpoint} failed recently; retrying later"))
         return None
 
-    def outcome(self, call: _Call, reply: Reply, parts: Sequence[zmq.Frame]) -> _Outcome:
-        """The outcome of ``call`` from its reply (failures counted)."""
+    def outcome(self, call: _Call, reply: Reply, payloads: list[memoryview]) -> _Outcome:
+        """The outcome of ``call`` from its reply and the reply's payload frames (failures counted)."""
         if isinstance(reply, ErrorReply):
             return self.failed(call, Failure(f"error:{reply.code}", reply.message, reply.code))
         if not isinstance(reply, call.expect):
@@ -321,11 +336,11 @@ class _ClientCore:
                 call, Failure("bad_reply", f"a {type(reply).__name__} reply to a {call.expect.__name__}")
             )
         self._delay = self._retry[0]
-        return reply, [part.buffer for part in parts[1:]]
+        return reply, payloads
 
-    def decode(self, parts: Sequence[zmq.Frame]) -> Reply | None:
+    def decode(self, header: memoryview | None) -> Reply | None:
         try:
-            return decode_reply(parts[0].buffer) if parts else None
+            return decode_reply(header) if header is not None else None
         except (msgspec.MsgspecError, ValueError, TypeError):
             self.stats.stale_replies += 1
             self._log.warning("cache client: %s sent an unreadable reply; ignored", self.endpoint)
@@ -729,6 +744,7 @@ class CacheClient:
         self._ctx = context if context is not None else zmq.Context()
         self._own_ctx = context is None
         self._sock: zmq.Socket[Any] | None = None
+        self._link: _UnixLink | None = None
 
     @property
     def node(self) -> str | None:
@@ -818,7 +834,7 @@ class CacheClient:
             return core.bug(what, e, miss)
 
     def _connect(self) -> Failure | None:
-        if self._sock is not None and self._core.server is not None:
+        if (self._sock is not None or self._link is not None) and self._core.server is not None:
             return None
         call = self._core.hello_call()
         return self._core.on_hello(self._exchange(call))
@@ -829,6 +845,8 @@ class CacheClient:
 
     def _exchange(self, call: _Call) -> _Outcome:
         core = self._core
+        if core.unix_path is not None:
+            return self._exchange_unix(call, core.unix_path)
         deadline = time.monotonic() + core.timeout_s
         if self._sock is None:
             self._sock = _dealer(self._ctx, core.endpoint)
@@ -851,17 +869,46 @@ class CacheClient:
             except zmq.Again:
                 self._reset()
                 return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))
-            reply = core.decode(parts)
+            reply = core.decode(parts[0].buffer)
             if reply is None or reply.id != call.request.id:
                 core.stats.stale_replies += reply is not None
                 continue
-            return core.outcome(call, reply, parts)
+            return core.outcome(call, reply, [part.buffer for part in parts[1:]])
+
+    def _exchange_unix(self, call: _Call, path: str) -> _Outcome:
+        core = self._core
+        deadline = time.monotonic() + core.timeout_s
+        core.stats.requests += 1
+        try:
+            if self._link is None:
+                self._link = _UnixLink(path, core.timeout_s)
+            link = self._link
+            link.send(core.frames(call), deadline)
+            while True:
+                parts = link.recv(deadline)
+                reply = core.decode(parts[0])
+                if reply is None or reply.id != call.request.id:
+                    core.stats.stale_replies += reply is not None
+                    continue
+                return core.outcome(call, reply, parts[1:])
+        except TimeoutError:
+            self._reset()
+            return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))
+        except ProtocolError as e:
+            self._reset()
+            return core.failed(call, Failure("bad_reply", e.message))
+        except OSError as e:
+            self._reset()
+            return core.failed(call, Failure("unreachable", f"{path}: {e}; is the server running?"))
 
     def _reset(self) -> None:
         sock, self._sock = self._sock, None
+        link, self._link = self._link, None
         self._core.server = None
         if sock is not None:
             sock.close(linger=0)
+        if link is not None:
+            link.close()
 
 
 class AsyncCacheClient:
@@ -898,6 +945,7 @@ class AsyncCacheClient:
         self._ctx = context if context is not None else zmq.asyncio.Context()
         self._own_ctx = context is None
         self._sock: zmq.asyncio.Socket | None = None
+        self._link: _AsyncUnixLink | None = None
         self._reader: asyncio.Task[None] | None = None
         self._pending: dict[int, tuple[_Call, asyncio.Future[_Outcome]]] = {}
         self._connecting: asyncio.Lock | None = None
@@ -988,13 +1036,16 @@ class AsyncCacheClient:
         except Exception as e:
             return core.bug(what, e, miss)
 
+    def _connected(self) -> bool:
+        return (self._sock is not None or self._link is not None) and self._core.server is not None
+
     async def _connect(self) -> Failure | None:
-        if self._sock is not None and self._core.server is not None:
+        if self._connected():
             return None
         if self._connecting is None:
             self._connecting = asyncio.Lock()
         async with self._connecting:
-            if self._sock is not None and self._core.server is not None:
+            if self._connected():
                 return None
             # Callers queued here while a connect failed must not each wait out a timeout of their own.
             return self._core.down() or self._core.on_hello(await self._exchange(self._core.hello_call()))
@@ -1005,6 +1056,8 @@ class AsyncCacheClient:
 
     async def _exchange(self, call: _Call) -> _Outcome:
         core = self._core
+        if core.unix_path is not None:
+            return await self._exchange_unix(call, core.unix_path)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + core.timeout_s
         sock = self._sock
@@ -1030,32 +1083,171 @@ class AsyncCacheClient:
             return core.failed(call, outcome)
         return outcome
 
+    async def _exchange_unix(self, call: _Call, path: str) -> _Outcome:
+        core = self._core
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + core.timeout_s
+        core.stats.requests += 1
+        link = self._link
+        if link is None:
+            try:
+                _, new_link = await asyncio.wait_for(
+                    loop.create_unix_connection(lambda: _AsyncUnixLink(self), path), core.timeout_s
+                )
+            except TimeoutError:
+                return core.failed(call, Failure("timeout", f"no connection within {core.timeout_s}s"))
+            except OSError as e:
+                return core.failed(call, Failure("unreachable", f"{path}: {e}; is the server running?"))
+            link = self._link = new_link
+        future: asyncio.Future[_Outcome] = loop.create_future()
+        rid = call.request.id
+        self._pending[rid] = (call, future)
+        try:
+            link.send(core.frames(call))
+            outcome = await asyncio.wait_for(future, max(0.0, deadline - loop.time()))
+        except TimeoutError:
+            await self._reset(link=link)
+            return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))
+        finally:
+            self._pending.pop(rid, None)
+        if isinstance(outcome, Failure) and outcome.reason == "reset":
+            return core.failed(call, outcome)
+        return outcome
+
     async def _read(self, sock: zmq.asyncio.Socket) -> None:
         while True:
             parts = await sock.recv_multipart(copy=False)
-            reply = self._core.decode(parts)
-            if reply is None:
-                continue
-            entry = self._pending.get(reply.id)
-            if entry is None or entry[1].done():
-                self._core.stats.stale_replies += 1
-                continue
-            call, future = entry
-            future.set_result(self._core.outcome(call, reply, parts))
+            self._on_reply(parts[0].buffer, [part.buffer for part in parts[1:]])
 
-    async def _reset(self, sock: zmq.asyncio.Socket | None = None) -> None:
-        if sock is not None and sock is not self._sock:
-            return  # another request already replaced it
-        sock, self._sock = self._sock, None
-        self._core.server = None
-        reader, self._reader = self._reader, None
+    def _on_reply(self, header: memoryview, payloads: list[memoryview]) -> None:
+        reply = self._core.decode(header)
+        if reply is None:
+            return
+        entry = self._pending.get(reply.id)
+        if entry is None or entry[1].done():
+            self._core.stats.stale_replies += 1
+            return
+        call, future = entry
+        future.set_result(self._core.outcome(call, reply, payloads))
+
+    def _fail_pending(self, why: str) -> None:
         for _, future in list(self._pending.values()):
             if not future.done():
-                future.set_result(
-                    Failure("reset", "the connection was reset after another request timed out")
-                )
+                future.set_result(Failure("reset", why))
+
+    def _link_lost(self, link: _AsyncUnixLink) -> None:
+        if link is self._link:
+            self._link = None
+            self._core.server = None
+            self._fail_pending("the server closed the connection")
+
+    async def _reset(
+        self, sock: zmq.asyncio.Socket | None = None, link: _AsyncUnixLink | None = None
+    ) -> None:
+        if (sock is not None and sock is not self._sock) or (link is not None and link is not self._link):
+            return  # another request already replaced it
+        sock, self._sock = self._sock, None
+        link, self._link = self._link, None
+        self._core.server = None
+        reader, self._reader = self._reader, None
+        self._fail_pending("the connection was reset after another request timed out")
+        if link is not None:
+            link.close()
         if reader is not None:
             reader.cancel()
             await asyncio.gather(reader, return_exceptions=True)
         if sock is not None:
             sock.close(linger=0)
+
+
+# A reply's frames and bytes, bounded for the framer: a get reply carries at most the server's
+# max_message_bytes in frames (256 MiB by default), one frame per key.
+_MAX_REPLY_FRAMES = 1 << 20
+_MAX_REPLY_BYTES = 1 << 32
+_IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
+_RECV_BYTES = 1 << 18
+
+
+class _UnixLink:
+    """`CacheClient` 's unix-socket connection: blocking, every call bounded by the request's deadline."""
+
+    def __init__(self, path: str, timeout_s: float) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect(path)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.framer = UnixFramer(_MAX_REPLY_FRAMES, _MAX_REPLY_BYTES)
+
+    def send(self, frames: Sequence[Any], deadline: float) -> None:
+        views = [memoryview(part).cast("B") for part in (unix_head(frames), *frames)]
+        views = [view for view in views if view.nbytes]
+        while views:
+            self.sock.settimeout(_left(deadline))
+            sent = self.sock.sendmsg(views[:_IOV_MAX])
+            while sent:  # drop what went out
+                if sent >= views[0].nbytes:
+                    sent -= views.pop(0).nbytes
+                else:
+                    views[0] = views[0][sent:]
+                    sent = 0
+
+    def recv(self, deadline: float) -> list[memoryview]:
+        while True:
+            frames = self.framer.next()
+            if frames is not None:
+                return frames
+            self.sock.settimeout(_left(deadline))
+            data = self.sock.recv(_RECV_BYTES)
+            if not data:
+                raise ConnectionResetError("the server closed the connection")
+            self.framer.feed(data)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _left(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError()
+    return left
+
+
+class _AsyncUnixLink(asyncio.Protocol):
+    """`AsyncCacheClient` 's unix-socket connection: hands each reply to the client as it is read."""
+
+    def __init__(self, client: AsyncCacheClient) -> None:
+        self.client = client
+        self.framer = UnixFramer(_MAX_REPLY_FRAMES, _MAX_REPLY_BYTES)
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.framer.feed(data)
+        try:
+            while (frames := self.framer.next()) is not None:
+                self.client._on_reply(frames[0], frames[1:])
+        except ProtocolError as e:
+            self.client._core._log.warning(
+                "cache client: %s: %s; reconnecting", self.client._core.endpoint, e
+            )
+            self.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.client._link_lost(self)
+
+    def send(self, frames: Sequence[Any]) -> None:
+        if self.transport is None or self.transport.is_closing():
+            raise ConnectionResetError("the connection to the server is closed")
+        self.transport.writelines([unix_head(frames), *frames])
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.abort()

@@ -36,6 +36,12 @@ Operations (request -> reply):
 - ``evict(keys)`` -> ``removed``; ``clear()`` -> ``{}``; ``stats()`` -> ``node, stats`` (the store's and
   the server's counters as a map).
 
+Same-host clients may use a unix socket instead (``unix:///path``; the server listens there with
+``unix_path``): the same messages, each written as a head (``b"KVS1"``, the frame count and each frame's
+length, little-endian uint32) followed by its frames back to back (`unix_head`, `UnixFramer`). It saves the
+two ZMQ I/O threads a round trip crosses: a 4 KiB echo took p50 41-51 / p99 79-117 µs on a unix socket
+against 102-113 / 167-449 µs through ZMQ here (2 vCPUs, uvloop server, blocking client).
+
 Versioning: fields a reader does not know are ignored and new optional fields get defaults, so ``v`` only
 changes for an incompatible change; a server answers any other version with error ``version``.
 """
@@ -60,6 +66,8 @@ from kvstack.cache.keys import KEY_BYTES, ChunkKey
 __all__ = [
     "MAC_BYTES",
     "PROTOCOL_VERSION",
+    "UNIX_MAGIC",
+    "UNIX_SCHEME",
     "Clear",
     "ClearReply",
     "ErrorCode",
@@ -82,6 +90,7 @@ __all__ = [
     "Stats",
     "StatsReply",
     "ThrottledLog",
+    "UnixFramer",
     "decode_reply",
     "decode_request",
     "encode",
@@ -91,6 +100,7 @@ __all__ = [
     "request_mac",
     "send_frames",
     "split_keys",
+    "unix_head",
 ]
 
 PROTOCOL_VERSION: Final = 1
@@ -269,7 +279,7 @@ def _explain(header: bytes | memoryview, exc: Exception) -> ProtocolError:
     if not isinstance(raw, dict):
         return ProtocolError(ErrorCode.MALFORMED, f"header is a msgpack {type(raw).__name__}, expected a map")
     rid = raw.get("id")
-    request_id = rid if isinstance(rid, int) and 0 <= rid < 2**64 else 0
+    request_id = rid if type(rid) is int and 0 <= rid < 2**64 else 0  # not a bool: `true` is no id
     version = raw.get("v", PROTOCOL_VERSION)
     if version != PROTOCOL_VERSION:
         return ProtocolError(
@@ -353,6 +363,80 @@ def recv_frames(sock: zmq.Socket[Any], flags: int = 0) -> list[zmq.Frame]:
     while frames[-1].more:
         frames.append(sock.recv(0, copy=False))
     return frames
+
+
+UNIX_SCHEME: Final = "unix://"
+UNIX_MAGIC: Final = b"KVS1"
+_UNIX_HEAD = struct.Struct("<4sI")  # magic, frame count; then one uint32 length per frame
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths_struct(n: int) -> struct.Struct:
+    return struct.Struct(f"<{n}I")
+
+
+def unix_head(frames: Sequence[Any]) -> bytes:
+    """The head that goes before ``frames`` (buffers) on a unix socket."""
+    sizes = [memoryview(frame).nbytes for frame in frames]
+    return _UNIX_HEAD.pack(UNIX_MAGIC, len(frames)) + _lengths_struct(len(frames)).pack(*sizes)
+
+
+class UnixFramer:
+    """Cuts the bytes read from a unix socket into messages: ``feed`` what was read, then take each whole
+    message with ``next`` (its frames as read-only views of one buffer). A head that is not ours, or one
+    announcing more than ``max_frames`` frames or ``max_bytes`` bytes, raises `ProtocolError` (the stream
+    cannot be trusted past it: close the connection)."""
+
+    def __init__(self, max_frames: int, max_bytes: int) -> None:
+        self.max_frames = max_frames
+        self.max_bytes = max_bytes
+        self._buf = bytearray()
+        self._lengths: tuple[int, ...] | None = None  # of the message whose head was read
+        self._head = 0
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        self._buf += data
+
+    def next(self) -> list[memoryview] | None:
+        """The next whole message, or None until more is fed."""
+        buf = self._buf
+        if self._lengths is None:
+            if len(buf) < _UNIX_HEAD.size:
+                return None
+            magic, n = _UNIX_HEAD.unpack_from(buf)
+            if magic != UNIX_MAGIC:
+                raise ProtocolError(
+                    ErrorCode.MALFORMED, f"not a kvstack unix-socket message (head {magic!r})"
+                )
+            if not 1 <= n <= self.max_frames:
+                raise ProtocolError(ErrorCode.TOO_LARGE, f"{n} frames; 1 to {self.max_frames} allowed")
+            head = _UNIX_HEAD.size + 4 * n
+            if len(buf) < head:
+                return None
+            lengths = _lengths_struct(n).unpack_from(buf, _UNIX_HEAD.size)
+            if sum(lengths) > self.max_bytes:
+                raise ProtocolError(
+                    ErrorCode.TOO_LARGE,
+                    f"message of {sum(lengths)} bytes is over max_message_bytes={self.max_bytes}",
+                )
+            self._lengths, self._head = lengths, head
+        lengths = self._lengths
+        end = self._head + sum(lengths)
+        if len(buf) < end:
+            return None
+        body = memoryview(bytes(buf[self._head : end]))  # one copy; the frames are views of it
+        del buf[:end]
+        self._lengths = None
+        frames = []
+        offset = 0
+        for length in lengths:
+            frames.append(body[offset : offset + length])
+            offset += length
+        return frames
 
 
 class ThrottledLog:

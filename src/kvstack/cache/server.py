@@ -31,10 +31,12 @@ import contextlib
 import dataclasses
 import hmac
 import logging
+import os
 import socket
+import stat
 import time
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import zmq
 import zmq.asyncio
@@ -47,6 +49,7 @@ from kvstack.cache.metrics import CacheMetrics
 from kvstack.cache.protocol import (
     IN_FRAME,
     MAC_BYTES,
+    UNIX_SCHEME,
     Clear,
     ClearReply,
     ErrorCode,
@@ -69,6 +72,7 @@ from kvstack.cache.protocol import (
     Stats,
     StatsReply,
     ThrottledLog,
+    UnixFramer,
     decode_request,
     encode,
     key_bytes,
@@ -76,6 +80,7 @@ from kvstack.cache.protocol import (
     request_mac,
     send_frames,
     split_keys,
+    unix_head,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
 from kvstack.cache.store import TieredStore
@@ -114,6 +119,7 @@ class CacheServer:
         max_keys: int = 65_536,
         max_concurrency: int = 64,
         context: zmq.asyncio.Context | None = None,
+        unix_path: str | None = None,
     ) -> None:
         if secret is not None and not secret:
             raise ValueError("secret must be non-empty (or None for no authentication)")
@@ -125,6 +131,11 @@ class CacheServer:
         self.store = store
         self.node = node or socket.gethostname()
         self._bind = bind
+        self._unix_path = unix_path
+        self._unix_server: asyncio.AbstractServer | None = None
+        self._unix_inode: int | None = None  # of the socket file this server made (removed at stop)
+        self._unix_peers: set[_UnixPeer] = set()
+        self._unix_waiting: set[_UnixPeer] = set()  # paused while max_concurrency requests run
         self._secret = secret
         self._max_bytes = max_message_bytes
         self._max_keys = max_keys
@@ -154,6 +165,7 @@ class CacheServer:
         self._runner: web.AppRunner | None = None
         self._errors_log = ThrottledLog(log)
         self.endpoint: str | None = None
+        self.unix_endpoint: str | None = None
         self.http_port: int | None = None
 
     # -- lifecycle
@@ -183,6 +195,8 @@ class CacheServer:
             host, port = self._http
             if port is not None:
                 await self._start_http(host, port)
+            if self._unix_path is not None:
+                await self._start_unix(self._unix_path)
         except BaseException:
             await self.stop()
             raise
@@ -194,9 +208,10 @@ class CacheServer:
         if self.events is not None:  # one-off, unlike the loops; cancelled by stop if still running
             self._announcing = asyncio.create_task(self._announce_held(), name="cache-server-announce")
         log.info(
-            "cache server %s on %s%s%s",
+            "cache server %s on %s%s%s%s",
             self.node,
             self.endpoint,
+            "" if self.unix_endpoint is None else f" and {self.unix_endpoint}",
             "" if self.publisher is None else f", events on {self.publisher.endpoint}",
             "" if self.http_port is None else f", http://{self._http[0]}:{self.http_port}/metrics",
         )
@@ -205,6 +220,9 @@ class CacheServer:
         if self._reading and self._sock is not None:  # no new requests; tasks still send their replies
             self._reading = False
             asyncio.get_running_loop().remove_reader(self._sock.fileno())
+        unix_server, self._unix_server = self._unix_server, None
+        if unix_server is not None:  # no new connections; open ones are closed after the tasks end
+            unix_server.close()
         loops, self._loops = self._loops, []
         if self._announcing is not None:
             loops.append(self._announcing)
@@ -230,6 +248,11 @@ class CacheServer:
         sock, self._sock = self._sock, None
         if sock is not None:
             sock.close(linger=0)
+        for peer in list(self._unix_peers):
+            peer.close()
+        self._unix_peers.clear()
+        self._unix_waiting.clear()
+        self._remove_unix_socket()
         self.arenas.close()
         if self._own_ctx and self._ctx is not None:
             self._ctx.term()
@@ -270,13 +293,19 @@ class CacheServer:
     def _done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
         self._read_soon()
+        if self._unix_waiting:
+            asyncio.get_running_loop().call_soon(self._resume_unix)
 
     def _on_request(self, sock: zmq.Socket[bytes], frames: list[zmq.Frame]) -> None:
         envelope: list[bytes] = [frames[0].bytes]
-        rest = frames[1:]
-        if rest and len(rest[0]) == 0:  # a REQ client's delimiter
+        first = 1
+        if len(frames) > 1 and len(frames[1]) == 0:  # a REQ client's delimiter
             envelope.append(b"")
-            rest = rest[1:]
+            first = 2
+        self._serve(_ZmqPeer(self, sock, envelope), [frame.buffer for frame in frames[first:]])
+
+    def _serve(self, peer: _Peer, rest: list[memoryview]) -> None:
+        """Answer one request (``rest``: its frames, header first) now, or start a task that will."""
         started = time.perf_counter()
         op = "invalid"
         request_id = 0
@@ -290,31 +319,29 @@ class CacheServer:
                 raise ProtocolError(
                     ErrorCode.MALFORMED, f"expected frames [header, mac, *payloads], got {len(rest)} frame(s)"
                 )
-            request = decode_request(rest[0].buffer)
+            request = decode_request(rest[0])
             op, request_id = str(request.__struct_config__.tag), request.id
-            self._authenticate(rest[0].buffer, rest[1].buffer, request.id)
+            self._authenticate(rest[0], rest[1], request.id)
             if not isinstance(request, Put) and len(rest) > 2:
                 extra = f"{len(rest) - 2} unexpected payload frame(s)"
                 raise ProtocolError(ErrorCode.MALFORMED, extra, request_id)
             answer = self._answer_now(request, rest[2:])
         except Exception as e:
-            self._reply(sock, envelope, op, started, self._failure(e, op, request_id), [])
+            self._reply(peer, op, started, self._failure(e, op, request_id), [])
             return
         if answer is not None:
-            self._reply(sock, envelope, op, started, *answer)
+            self._reply(peer, op, started, *answer)
             return
-        task = asyncio.create_task(self._answer_later(sock, envelope, op, started, request))
+        task = asyncio.create_task(self._answer_later(peer, op, started, request))
         self._tasks.add(task)
         task.add_done_callback(self._done)
 
-    async def _answer_later(
-        self, sock: zmq.Socket[bytes], envelope: list[bytes], op: str, started: float, request: Request
-    ) -> None:
+    async def _answer_later(self, peer: _Peer, op: str, started: float, request: Request) -> None:
         try:
             reply, payloads = await self._dispatch(request)
         except Exception as e:
             reply, payloads = self._failure(e, op, request.id), []
-        self._reply(sock, envelope, op, started, reply, payloads)
+        self._reply(peer, op, started, reply, payloads)
         self._read_soon()
 
     def _failure(self, error: Exception, op: str, request_id: int) -> ErrorReply:
@@ -326,24 +353,14 @@ class CacheServer:
         log.error("cache server: %s request failed", op, exc_info=error)
         return ErrorReply(id=request_id, code=ErrorCode.INTERNAL, message=f"{type(error).__name__}: {error}")
 
-    def _reply(
-        self,
-        sock: zmq.Socket[bytes],
-        envelope: list[bytes],
-        op: str,
-        started: float,
-        reply: Reply,
-        payloads: _Frames,
-    ) -> None:
+    def _reply(self, peer: _Peer, op: str, started: float, reply: Reply, payloads: _Frames) -> None:
         error = isinstance(reply, ErrorReply)
         self.metrics.request_done(op, not error, time.perf_counter() - started)
         if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
             self._errors_log.warning("cache server: error reply %s: %s", reply.code, reply.message)
-        if sock is not self._sock:
-            return  # stopped meanwhile
         try:
-            send_frames(sock, [*envelope, encode(reply), *payloads], _NOBLOCK)
-        except zmq.ZMQError as e:
+            peer.send([encode(reply), *payloads])
+        except (zmq.ZMQError, OSError) as e:
             self.metrics.protocol_errors.labels("dropped").inc()
             self._errors_log.warning("cache server: cannot send a %s reply: %s", op, e)
 
@@ -361,7 +378,7 @@ class CacheServer:
                 ErrorCode.AUTH, "wrong mac: the client's secret is not the server's", request_id
             )
 
-    def _answer_now(self, request: Request, frames: Sequence[zmq.Frame]) -> tuple[Reply, _Frames] | None:
+    def _answer_now(self, request: Request, frames: Sequence[memoryview]) -> tuple[Reply, _Frames] | None:
         """The reply of a request that needs no I/O, or None: then `_dispatch` it in a task."""
         rid = request.id
         match request:
@@ -452,7 +469,7 @@ class CacheServer:
         self.metrics.payload_bytes.labels("get", "socket").inc(framed)
         return GetReply(id=rid, sizes=sizes, offsets=offsets, more=more), frames
 
-    def _put(self, request: Put, frames: Sequence[zmq.Frame]) -> PutReply:
+    def _put(self, request: Put, frames: Sequence[memoryview]) -> PutReply:
         rid = request.id
         keys = self._keys(request.keys, rid)
         n = len(keys)
@@ -491,7 +508,7 @@ class CacheServer:
         try:
             for i, (size, offset) in enumerate(zip(request.sizes, offsets, strict=True)):
                 if offset == IN_FRAME:
-                    data = next(frame_iter).buffer
+                    data = next(frame_iter)
                     if len(data) != size:
                         raise ProtocolError(
                             ErrorCode.BAD_REQUEST,
@@ -590,3 +607,130 @@ class CacheServer:
         await site.start()
         with contextlib.suppress(IndexError, TypeError):
             self.http_port = int(runner.addresses[0][1])
+
+    # -- unix socket
+
+    async def _start_unix(self, path: str) -> None:
+        _claim_socket_path(path)
+        loop = asyncio.get_running_loop()
+        self._unix_server = await loop.create_unix_server(lambda: _UnixPeer(self), path)
+        self._unix_inode = os.stat(path).st_ino
+        self.unix_endpoint = f"{UNIX_SCHEME}{path}"
+
+    def _remove_unix_socket(self) -> None:
+        path, inode, self._unix_inode = self._unix_path, self._unix_inode, None
+        if path is None or inode is None:
+            return
+        with contextlib.suppress(OSError):
+            if os.stat(path).st_ino == inode:  # still ours: not replaced by another server meanwhile
+                os.unlink(path)
+
+    def _resume_unix(self) -> None:
+        for peer in list(self._unix_waiting):
+            if len(self._tasks) >= self._max_tasks:
+                return
+            peer.serve_buffered()
+
+
+class _Peer(Protocol):
+    def send(self, frames: _Frames) -> None: ...
+
+
+class _ZmqPeer:
+    """Where a ZMQ request came from: replies go back through the ROUTER with its envelope."""
+
+    __slots__ = ("envelope", "server", "sock")
+
+    def __init__(self, server: CacheServer, sock: zmq.Socket[bytes], envelope: list[bytes]) -> None:
+        self.server = server
+        self.sock = sock
+        self.envelope = envelope
+
+    def send(self, frames: _Frames) -> None:
+        if self.sock is self.server._sock:  # else stopped meanwhile
+            send_frames(self.sock, [*self.envelope, *frames], _NOBLOCK)
+
+
+class _UnixPeer(asyncio.Protocol):
+    """One unix-socket connection: requests are served in the order they arrive (replies of tasks may pass
+    each other, as through ZMQ: the client matches them by id). While ``max_concurrency`` tasks run the
+    connection is not read (its requests wait in the kernel's buffer); a framing error gets an error reply
+    and closes the connection (the stream cannot be trusted past it); a client that does not read its
+    replies is dropped once more than two messages' worth of them wait to be sent."""
+
+    def __init__(self, server: CacheServer) -> None:
+        self.server = server
+        # A put may carry one frame per key besides its header and mac.
+        self.framer = UnixFramer(server._max_keys + 2, server._max_bytes)
+        self.transport: asyncio.Transport | None = None
+        self.paused = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.server._unix_peers.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport = None
+        self.server._unix_peers.discard(self)
+        self.server._unix_waiting.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.framer.feed(data)
+        self.serve_buffered()
+
+    def serve_buffered(self) -> None:
+        server = self.server
+        while self.transport is not None:
+            if len(server._tasks) >= server._max_tasks:
+                if not self.paused:
+                    self.paused = True
+                    self.transport.pause_reading()
+                server._unix_waiting.add(self)
+                return
+            try:
+                frames = self.framer.next()
+            except ProtocolError as e:
+                self.send([encode(server._failure(e, "invalid", 0))])
+                self.close()
+                return
+            if frames is None:
+                break
+            server._serve(self, frames)
+        server._unix_waiting.discard(self)
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
+    def send(self, frames: _Frames) -> None:
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.writelines([unix_head(frames), *frames])
+        if transport.get_write_buffer_size() > 2 * self.server._max_bytes:
+            self.server._errors_log.warning("cache server: dropped a unix-socket client that does not read")
+            transport.abort()
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _claim_socket_path(path: str) -> None:
+    """Remove a socket file left by a server that is gone; refuse a path another server listens on or that
+    is not a socket."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(mode):
+        raise OSError(f"cache server cannot listen on {path}: it exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # stale
+        return
+    finally:
+        probe.close()
+    raise OSError(f"cache server cannot listen on {path}: another server answers there")
