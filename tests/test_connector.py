@@ -66,7 +66,7 @@ def test_config_defaults_and_overrides() -> None:
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
-        ({}, "server must be the cache server's ZMQ endpoint"),
+        ({}, "server must be the cache server's endpoint"),
         ({"server": "127.0.0.1:5560"}, "server must be"),
         ({"server": "tcp://h:1", "laod": False}, "unknown kv_connector_extra_config keys ['laod']"),
         ({"server": "tcp://h:1", "chunk_size": "256"}, "chunk_size must be int"),

@@ -79,6 +79,8 @@ class CacheServerProcess:
     replay_endpoint: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    unix_endpoint: str = ""
+    """The same server's unix socket (engine B speaks through it, engine A through ZMQ)."""
 
     def client(self) -> CacheClient:
         return CacheClient(self.endpoint, shm=False, timeout_s=5.0)
@@ -121,11 +123,13 @@ def running_cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[C
         endpoint,
         "--memory-gb",
         "0.25",
+        "--unix-socket",
+        str(workdir / "cache.sock"),
     ]
     cmd += ["--chunk-size", str(CHUNK), "--events", events, "--events-replay", replay]
     with log_path.open("wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = CacheServerProcess(endpoint, replay, proc, log_path)
+    server = CacheServerProcess(endpoint, replay, proc, log_path, f"unix://{workdir / 'cache.sock'}")
     client = server.client()
     try:
         deadline = time.monotonic() + 30
@@ -360,10 +364,11 @@ def engine_b(
     cold: dict[str, Any],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[EngineProcess]:
-    """Engine B; ``test_the_cache_survives_an_engine_restart`` restarts it in place."""
-    engine = start_engine(model_dir, tmp_path_factory.mktemp("vllm-b"), cache_server.endpoint)
+    """Engine B, on the cache server's unix socket (A uses its ZMQ endpoint: both reach the same chunks);
+    ``test_the_cache_survives_an_engine_restart`` restarts it in place."""
+    engine = start_engine(model_dir, tmp_path_factory.mktemp("vllm-b"), cache_server.unix_endpoint)
     engine.extra["restart"] = lambda: start_engine(
-        model_dir, tmp_path_factory.mktemp("vllm-b-restarted"), cache_server.endpoint
+        model_dir, tmp_path_factory.mktemp("vllm-b-restarted"), cache_server.unix_endpoint
     )
     yield engine
     engine.stop()

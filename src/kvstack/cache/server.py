@@ -13,6 +13,13 @@
   (when ``secret`` is set), or that makes a handler fail gets an error reply (counted in
   ``kvstack_cache_protocol_errors_total{code}``); a single frame over ``max_message_bytes`` makes ZMQ drop
   the connection (the peer sees a timeout).
+- ``unix_path`` (``kvstack cache-server --unix-socket PATH``): also serve same-host clients on a unix socket
+  (``unix://PATH``; framing in ``kvstack.cache.protocol``), with the same limits, errors and secret. Each
+  connection is read until ``max_concurrency`` tasks run (then paused, like the ZMQ socket); a framing
+  error gets an error reply and closes that connection; a client that lets more than two messages' worth
+  of replies pile up unread is dropped. A socket file left by a killed server is replaced; one another
+  server answers on, or a file that is not a socket, is refused; ``stop`` removes the file if it is still
+  this server's.
 - Payloads through the client's shared-memory arena where it offered one (``kvstack.cache.shm``), through
   frames otherwise; a get reply carries at most ``max_message_bytes`` in frames (``more`` says to ask again).
 - ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic

@@ -5,7 +5,7 @@ Keys (all optional but ``server``):
 =================  ===========  =====================================================================
 key                default      meaning
 =================  ===========  =====================================================================
-server             (required)   the cache server's ZMQ endpoint, e.g. ``tcp://127.0.0.1:5560``
+server             (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
 chunk_size         256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
 load               true         look chunks up and load them into the engine's KV blocks
 save               true         save the chunks the engine computes
@@ -115,8 +115,9 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
     server = extra.pop("server", None)
     if not server or "://" not in server:
         raise ConfigError(
-            "kvstack connector: kv_connector_extra_config.server must be the cache server's ZMQ endpoint, "
-            f'e.g. "tcp://127.0.0.1:5560" (got {server!r})'
+            "kvstack connector: kv_connector_extra_config.server must be the cache server's endpoint, "
+            'e.g. "tcp://127.0.0.1:5560", or its unix socket on the same host, e.g. '
+            f'"unix:///run/kvstack/cache.sock" (got {server!r})'
         )
     config = ConnectorConfig(server=server, **extra)
     if config.chunk_size < 1:
