@@ -478,3 +478,26 @@ def test_stats_reply_is_a_reply_over_a_unix_socket(sock_path: str) -> None:
             assert reply is not None and isinstance(decode_reply(reply[0]), StatsReply)
         finally:
             raw.close()
+
+
+async def test_async_client_recovers_from_a_closed_connection_and_a_restarted_server(sock_path: str) -> None:
+    client = AsyncCacheClient(f"unix://{sock_path}", timeout_s=1.0, retry_initial_s=0.01, retry_max_s=0.01)
+    try:
+        async with serving(sock_path):
+            assert await client.put([key(1, b"ureconnect")], [b"one"])
+            link = client._link
+            assert link is not None and link.transport is not None
+            link.transport.close()  # closing under the client: the next send finds it closed
+            assert await client.lookup([key(1, b"ureconnect")]) == 0
+            assert client.stats.failures == {"unreachable": 1}
+            await asyncio.sleep(0.05)
+            assert await client.lookup([key(1, b"ureconnect")]) == 1  # connected anew
+        # The server stopped: a miss; a new one on the same path is found again.
+        assert await client.lookup([key(1, b"ureconnect")]) == 0
+        async with serving(sock_path):
+            await asyncio.sleep(0.05)
+            assert await client.put([key(2, b"ureconnect")], [b"two"])
+            assert await client.lookup([key(2, b"ureconnect")]) == 1
+        assert client.stats.connects == 3
+    finally:
+        await client.aclose()

@@ -1111,6 +1111,9 @@ class AsyncCacheClient:
         except TimeoutError:
             await self._reset(link=link)
             return core.failed(call, Failure("timeout", f"no reply within {core.timeout_s}s"))
+        except OSError as e:  # the connection closed under us
+            await self._reset(link=link)
+            return core.failed(call, Failure("unreachable", f"{path}: {e}"))
         finally:
             self._pending.pop(rid, None)
         if isinstance(outcome, Failure) and outcome.reason == "reset":
