@@ -230,6 +230,8 @@ class CacheServer:
         unix_server, self._unix_server = self._unix_server, None
         if unix_server is not None:  # no new connections; open ones are closed after the tasks end
             unix_server.close()
+        for peer in self._unix_peers:  # and no new requests on them
+            peer.pause()
         loops, self._loops = self._loops, []
         if self._announcing is not None:
             loops.append(self._announcing)
@@ -685,13 +687,19 @@ class _UnixPeer(asyncio.Protocol):
         self.framer.feed(data)
         self.serve_buffered()
 
+    def pause(self) -> None:
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
     def serve_buffered(self) -> None:
         server = self.server
         while self.transport is not None:
+            if not server._reading:  # stopping: what is buffered stays unanswered
+                self.pause()
+                return
             if len(server._tasks) >= server._max_tasks:
-                if not self.paused:
-                    self.paused = True
-                    self.transport.pause_reading()
+                self.pause()
                 server._unix_waiting.add(self)
                 return
             try:
