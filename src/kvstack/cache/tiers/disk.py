@@ -252,6 +252,8 @@ class DiskTier(Tier):
             if file is not None:
                 self._index.move_to_end(key)
                 files[key] = file
+        if files and self._pool is None:  # before any file is opened
+            raise RuntimeError(f"disk tier {self.name} is not started")
         reads: dict[ChunkKey, _Read] = {}
         cached, uncached = self._sort_by_residency(files, reads)
         parts = list(_slices(uncached, self._jobs(sum(files[key].size for key in uncached))))
