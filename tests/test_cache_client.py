@@ -360,19 +360,22 @@ def test_secret(tmp_path: Path) -> None:
 
 
 @pytest.fixture
-async def async_server() -> Any:
+async def async_server(tmp_path: Path) -> Any:
+    """Served on ZMQ tcp and on a unix socket."""
     store = TieredStore([MemoryTier(32 << 20)])
     await store.start()
-    server = CacheServer(store, "tcp://127.0.0.1:0", node="async")
+    server = CacheServer(store, "tcp://127.0.0.1:0", node="async", unix_path=str(tmp_path / "cache.sock"))
     await server.start()
     yield server
     await server.stop()
     await store.stop()
 
 
+@pytest.mark.parametrize("transport", ["zmq", "unix"])
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "socket"])
-async def test_async_concurrent_round_trips(async_server: CacheServer, shm: bool) -> None:
-    async with AsyncCacheClient(async_server.endpoint or "", shm=shm) as client:
+async def test_async_concurrent_round_trips(async_server: CacheServer, shm: bool, transport: str) -> None:
+    endpoint = async_server.endpoint if transport == "zmq" else async_server.unix_endpoint
+    async with AsyncCacheClient(endpoint or "", shm=shm) as client:
         groups = [[key(g * 10 + i, b"async") for i in range(4)] for g in range(8)]
         puts = await asyncio.gather(
             *(
@@ -394,7 +397,7 @@ async def test_async_concurrent_round_trips(async_server: CacheServer, shm: bool
         stats = await client.server_stats()
         assert stats is not None and stats["node"] == "async"
         assert await client.clear() and await client.lookup(groups[0]) == 0
-        assert client.stats.failures == {} and client.shm_active is shm
+        assert client.stats.failures == {} and client.shm_active is shm and client.stats.connects == 1
         if shm:
             assert client._core.arena is not None and client._core.arena.allocator.used_bytes == 0
 

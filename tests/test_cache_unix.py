@@ -16,12 +16,11 @@ import struct
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from kvstack.cache import TieredStore
 from kvstack.cache.client import AsyncCacheClient, CacheClient
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.protocol import (
@@ -39,31 +38,15 @@ from kvstack.cache.protocol import (
     join_keys,
     unix_head,
 )
-from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import MemoryTier
 from test_cache_client import ThreadServer, key, payload
 from test_cache_fuzz import MAX_BYTES, MAX_KEYS, SEED, message
-from test_cache_server import DictTier
+from test_cache_server import DictTier, serving
 
 
 @pytest.fixture
 def sock_path(tmp_path: Path) -> str:
     return str(tmp_path / "cache.sock")
-
-
-@contextlib.asynccontextmanager
-async def serving(
-    path: str, tiers: Sequence[object] | None = None, **kwargs: object
-) -> AsyncIterator[CacheServer]:
-    store = TieredStore(tiers or [MemoryTier(16 << 20)])  # type: ignore[arg-type]
-    await store.start()
-    server = CacheServer(store, "tcp://127.0.0.1:0", unix_path=path, **kwargs)  # type: ignore[arg-type]
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-        await store.stop()
 
 
 class RawClient:
@@ -178,38 +161,6 @@ def test_secret_over_a_unix_socket(sock_path: str) -> None:
             assert good.put([key(1, b"uauth")], [b"data"]) and good.lookup([key(1, b"uauth")]) == 1
         with CacheClient(endpoint, secret=b"wrong") as wrong:
             assert wrong.lookup([key(1, b"uauth")]) == 0 and wrong.stats.failures == {"error:auth": 1}
-
-
-@pytest.mark.parametrize("shm", [True, False], ids=["shm", "socket"])
-async def test_async_client_over_a_unix_socket_runs_requests_concurrently(sock_path: str, shm: bool) -> None:
-    async with (
-        serving(sock_path, node="au") as srv,
-        AsyncCacheClient(srv.unix_endpoint or "", shm=shm) as client,
-    ):
-        groups = [[key(g * 10 + i, b"unix-async") for i in range(4)] for g in range(8)]
-        puts = await asyncio.gather(
-            *(
-                client.put(keys, [payload(g * 10 + i, 5_000) for i in range(4)])
-                for g, keys in enumerate(groups)
-            )
-        )
-        assert all(puts)
-        results = await asyncio.gather(*(client.get(keys) for keys in groups * 3))
-        for n, chunks in enumerate(results):
-            g = n % 8
-            assert chunks is not None and [bytes(c) for c in chunks] == [
-                payload(g * 10 + i, 5_000) for i in range(4)
-            ]
-            chunks.release()
-        assert await client.lookup(groups[0]) == 4 and await client.exists([groups[0][0], key(999)]) == [
-            True,
-            False,
-        ]
-        assert await client.evict(groups[1]) == 4
-        stats = await client.server_stats()
-        assert stats is not None and stats["node"] == "au"
-        assert await client.clear() and await client.lookup(groups[0]) == 0
-        assert client.stats.failures == {} and client.shm_active is shm and client.stats.connects == 1
 
 
 # -- faults
@@ -333,20 +284,20 @@ async def test_socket_file_is_claimed_only_when_stale_and_removed_only_when_stil
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(sock_path)
     stale.close()  # a socket file nobody listens on
-    async with serving(sock_path) as srv:
+    async with serving(unix_path=sock_path) as srv:
         assert srv.unix_endpoint == f"unix://{sock_path}"
         with pytest.raises(OSError, match="another server answers"):
-            async with serving(sock_path):
+            async with serving(unix_path=sock_path):
                 pass
         assert exists()  # the refused server left the live one's file alone
     assert not exists()
     regular = tmp_path / "file"
     regular.write_text("not a socket")
     with pytest.raises(OSError, match="not a socket"):
-        async with serving(str(regular)):
+        async with serving(unix_path=str(regular)):
             pass
     assert regular.read_text() == "not a socket"
-    async with serving(sock_path):
+    async with serving(unix_path=sock_path):
         os.unlink(sock_path)
         other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         other.bind(sock_path)  # another process took the path meanwhile
@@ -355,7 +306,7 @@ async def test_socket_file_is_claimed_only_when_stale_and_removed_only_when_stil
 
 
 async def test_garbage_gets_an_error_reply_and_only_that_connection_closes(sock_path: str) -> None:
-    async with serving(sock_path, max_message_bytes=MAX_BYTES, max_keys=MAX_KEYS) as srv:
+    async with serving(unix_path=sock_path, max_message_bytes=MAX_BYTES, max_keys=MAX_KEYS) as srv:
         garbage = [
             b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
             UNIX_MAGIC + struct.pack("<I", MAX_KEYS + 3),
@@ -380,7 +331,7 @@ async def test_garbage_gets_an_error_reply_and_only_that_connection_closes(sock_
 
 
 async def test_thousands_of_random_messages_over_a_unix_socket_get_error_replies(sock_path: str) -> None:
-    async with serving(sock_path, max_message_bytes=MAX_BYTES, max_keys=MAX_KEYS) as srv:
+    async with serving(unix_path=sock_path, max_message_bytes=MAX_BYTES, max_keys=MAX_KEYS) as srv:
 
         def fuzz(n: int) -> tuple[int, int]:
             rng = random.Random(SEED + 100 + n)
@@ -419,7 +370,7 @@ async def test_a_full_server_stops_reading_a_unix_connection_until_a_task_ends(s
             await gate.wait()
             return await super().contains(keys)
 
-    async with serving(sock_path, [MemoryTier(1 << 20), SlowTier()], max_concurrency=1) as srv:
+    async with serving([MemoryTier(1 << 20), SlowTier()], unix_path=sock_path, max_concurrency=1) as srv:
         reader, writer = await asyncio.open_unix_connection(sock_path)
         keys = join_keys([key(i, b"full") for i in range(2)])
         for rid in (1, 2, 3):  # each needs the slow tier: the first takes the only slot, the others wait
@@ -442,7 +393,7 @@ async def test_a_full_server_stops_reading_a_unix_connection_until_a_task_ends(s
 
 
 async def test_a_client_that_never_reads_its_replies_is_dropped(sock_path: str) -> None:
-    async with serving(sock_path, max_message_bytes=4096) as srv:
+    async with serving(unix_path=sock_path, max_message_bytes=4096) as srv:
 
         def flood() -> int:
             raw = RawClient(sock_path)
@@ -483,7 +434,7 @@ def test_stats_reply_is_a_reply_over_a_unix_socket(sock_path: str) -> None:
 async def test_async_client_recovers_from_a_closed_connection_and_a_restarted_server(sock_path: str) -> None:
     client = AsyncCacheClient(f"unix://{sock_path}", timeout_s=1.0, retry_initial_s=0.01, retry_max_s=0.01)
     try:
-        async with serving(sock_path):
+        async with serving(unix_path=sock_path):
             assert await client.put([key(1, b"ureconnect")], [b"one"])
             link = client._link
             assert link is not None and link.transport is not None
@@ -494,7 +445,7 @@ async def test_async_client_recovers_from_a_closed_connection_and_a_restarted_se
             assert await client.lookup([key(1, b"ureconnect")]) == 1  # connected anew
         # The server stopped: a miss; a new one on the same path is found again.
         assert await client.lookup([key(1, b"ureconnect")]) == 0
-        async with serving(sock_path):
+        async with serving(unix_path=sock_path):
             await asyncio.sleep(0.05)
             assert await client.put([key(2, b"ureconnect")], [b"two"])
             assert await client.lookup([key(2, b"ureconnect")]) == 1
