@@ -39,7 +39,7 @@ from kvstack.cache.protocol import (
     unix_head,
 )
 from kvstack.cache.tiers import MemoryTier
-from test_cache_client import ThreadServer, key, payload
+from test_cache_client import ThreadServer, _wait_until, key, payload
 from test_cache_fuzz import MAX_BYTES, MAX_KEYS, SEED, message
 from test_cache_server import DictTier, serving
 
@@ -239,13 +239,6 @@ def _server_process(path: str, tmp: Path) -> subprocess.Popen[bytes]:
         "warning",
     ]
     return subprocess.Popen(cmd, stdout=(tmp / "out.log").open("ab"), stderr=subprocess.STDOUT)
-
-
-def _wait_until(check: object, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_server_killed_leaves_a_stale_socket_that_the_restarted_server_reclaims(
