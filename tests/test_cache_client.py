@@ -568,3 +568,5 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys: pytest.CaptureFixture
     )
     assert main(["cache-server", "--redis-url", "redis://127.0.0.1:1/0", "--redis-timeout-s", "0"]) == 2
     assert "timeouts must be > 0" in capsys.readouterr().err
+    assert main(["cache-server", "--disk-dir", str(tmp_path / "d"), "--disk-inline-read-mib", "nan"]) == 2
+    assert "--disk-inline-read-mib must be >= 0" in capsys.readouterr().err

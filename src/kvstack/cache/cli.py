@@ -48,8 +48,8 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     p.add_argument(
         "--unix-socket",
         metavar="PATH",
-        help="also listen on this unix socket: clients on this host reach it as unix://PATH, with half the "
-        "round trip of ZMQ (same messages; --secret-file applies too)",
+        help="also listen on this unix socket: clients on this host reach it as unix://PATH, a shorter round "
+        "trip than ZMQ (same messages; --secret-file applies too)",
     )
     p.add_argument("--memory-gb", type=float, default=1.0, help="memory tier budget in GiB")
     g = p.add_argument_group("lower tiers")
