@@ -369,20 +369,38 @@ async def vllm_counts(http: aiohttp.ClientSession, url: str) -> tuple[float, flo
     )
 
 
-async def assert_aborted(http: aiohttp.ClientSession, url: str, before: tuple[float, float, float]) -> None:
-    """vLLM stopped the request: nothing runs, it never finished, and far fewer tokens came out.
+def carrying_requests(router: RunningRouter) -> set[Any]:
+    """The router's upstream connections carrying a request now (open, and not idle in its pool)."""
+    pool = router.upstream
+    idle = {conn for conns in pool._idle_conns.values() for conn in conns}
+    return {conn for conn in pool._open if conn not in idle}
 
-    vLLM 0.32 counts a client abort in no ``request_success_total`` series (``finished_reason="abort"``
-    stays 0), so "it did not finish" is what the counters can show.
+
+async def assert_aborted(
+    http: aiohttp.ClientSession, router: RunningRouter, url: str, carrying: set[Any]
+) -> None:
+    """The router aborted its request to vLLM: the connection that carried it was closed, not returned to
+    the pool, so vLLM sees its client leave, and the router counts nothing in flight.
+
+    Whether vLLM then stops generating is vLLM's part, and vLLM 0.32 on CPU does not do it reliably: with no
+    router in between, a client dropping its connection left the request running to its end in 2 of 8
+    streaming n=8 requests and 3 of 5 non-streaming n=1 requests (2026-12-04, this machine). So vLLM's
+    counters are not the test's evidence; it only waits for vLLM to be idle again, as later tests expect.
     """
+    assert carrying, "no upstream connection was carrying the request"
+
+    async def closed() -> bool | None:
+        return all(conn.closed for conn in carrying) or None
+
+    await until(closed, "the router closing its connection to vLLM", within=10)
+    assert not carrying & router.upstream._open
+    await until(lambda: _none_in_flight(router), "router in-flight back to 0", within=10)
 
     async def idle() -> tuple[float, float, float] | None:
         now = await vllm_counts(http, url)
         return now if now[0] == 0 else None
 
-    _, finished, generated = await until(idle, "vLLM running no request", within=60)
-    assert finished == before[1], "the request ran to its end instead of being aborted"
-    assert generated - before[2] < ABORT_N * 1900 * 0.9
+    await until(idle, "vLLM running no request", within=60)
 
 
 @pytest.mark.vllm
@@ -398,9 +416,9 @@ async def test_vllm_stream_client_disconnect_aborts_the_request(
             # Three events prove vLLM is generating; the connection drops at once (a /metrics call first
             # can take seconds on a busy 2-core machine, time in which vLLM could finish the whole request).
             await asyncio.wait_for(EventReader(resp).at_least(3), 30)
+            carrying = carrying_requests(vllm_router)
             resp.close()  # drops the connection mid-stream
-        await assert_aborted(http, vllm_engine.url, before)
-        await until(lambda: _none_in_flight(vllm_router), "router in-flight back to 0", within=10)
+        await assert_aborted(http, vllm_router, vllm_engine.url, carrying)
 
 
 @pytest.mark.vllm
@@ -428,11 +446,11 @@ async def test_vllm_non_streaming_client_giving_up_aborts_the_request(
         # not the signal to wait for.)
         await until(sent, "the router forwarding the request to vLLM", within=30)
         await asyncio.sleep(0.3)
+        carrying = carrying_requests(vllm_router)
         request.cancel()  # the client's wait ends: aiohttp drops the connection
         with pytest.raises(asyncio.CancelledError):
             await request
-        await assert_aborted(http, vllm_engine.url, before)
-        await until(lambda: _none_in_flight(vllm_router), "router in-flight back to 0", within=10)
+        await assert_aborted(http, vllm_router, vllm_engine.url, carrying)
 
 
 async def _none_in_flight(router: RunningRouter) -> bool:
