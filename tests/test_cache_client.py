@@ -439,7 +439,8 @@ async def test_async_dead_server_and_timeouts() -> None:
 # -- a server process killed and restarted
 
 
-def _start_server_process(port: int, tmp: Path) -> subprocess.Popen[bytes]:
+def _start_server_process(port: int, tmp: Path, *extra: str) -> subprocess.Popen[bytes]:
+    """A ``kvstack cache-server`` process on ``port`` (secret ``restart-secret``, node ``proc``)."""
     (tmp / "secret").write_text("  restart-secret\n")
     cmd = [
         sys.executable,
@@ -448,6 +449,7 @@ def _start_server_process(port: int, tmp: Path) -> subprocess.Popen[bytes]:
         "cache-server",
         "--bind",
         f"tcp://127.0.0.1:{port}",
+        *extra,
         "--memory-gb",
         "0.05",
         "--node",
@@ -495,12 +497,17 @@ def test_server_killed_and_restarted_client_recovers(tmp_path: Path) -> None:
         assert client.stats.failures.get("timeout", 0) + client.stats.failures.get("unreachable", 0) >= 1
     finally:
         client.close()
-        proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.wait(timeout=10)
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode in (0, -signal.SIGTERM), (tmp_path / "out.log").read_text()
+        _stop_server_process(proc, tmp_path)
+
+
+def _stop_server_process(proc: subprocess.Popen[bytes], tmp: Path) -> None:
+    """SIGTERM (SIGKILL after 10 s); the server must have stopped cleanly."""
+    proc.send_signal(signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=10)
+    if proc.poll() is None:
+        proc.kill()
+    assert proc.returncode in (0, -signal.SIGTERM), (tmp / "out.log").read_text()
 
 
 # -- the arena allocator (pure)

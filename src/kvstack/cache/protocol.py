@@ -392,7 +392,8 @@ class UnixFramer:
         self.max_bytes = max_bytes
         self._buf = bytearray()
         self._lengths: tuple[int, ...] | None = None  # of the message whose head was read
-        self._head = 0
+        self._head = 0  # its head's bytes
+        self._end = 0  # where it ends in the buffer
 
     @property
     def buffered(self) -> int:
@@ -418,14 +419,14 @@ class UnixFramer:
             if len(buf) < head:
                 return None
             lengths = _lengths_struct(n).unpack_from(buf, _UNIX_HEAD.size)
-            if sum(lengths) > self.max_bytes:
+            body_bytes = sum(lengths)
+            if body_bytes > self.max_bytes:
                 raise ProtocolError(
                     ErrorCode.TOO_LARGE,
-                    f"message of {sum(lengths)} bytes is over max_message_bytes={self.max_bytes}",
+                    f"message of {body_bytes} bytes is over max_message_bytes={self.max_bytes}",
                 )
-            self._lengths, self._head = lengths, head
-        lengths = self._lengths
-        end = self._head + sum(lengths)
+            self._lengths, self._head, self._end = lengths, head, head + body_bytes
+        lengths, end = self._lengths, self._end
         if len(buf) < end:
             return None
         body = memoryview(bytes(buf[self._head : end]))  # one copy; the frames are views of it
