@@ -78,7 +78,7 @@ from router_overhead import KVSTACK, REPO, Group, free_port, get
 
 from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
 from kvstack.bench.summary import percentile
-from kvstack.engines.tiny_model import SHAPES, TinyShape, make_tiny_model
+from kvstack.devtools.tiny_model import SHAPES, TinyShape, make_tiny_model
 
 HOST = "127.0.0.1"
 SECTIONS = ("tier", "lmcache", "qa")

@@ -45,12 +45,12 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine
 
+from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.catalog import catalog_for
 from kvstack.engines.metrics_reader import read_signals, sample_names
-from kvstack.engines.tiny_model import make_tiny_model
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.http.client import UpstreamPool
 from kvstack.router.server import lean_metrics_fetch
-from kvstack.router.upstream import UpstreamPool
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler

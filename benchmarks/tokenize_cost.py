@@ -23,9 +23,9 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine
 
+from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer
 from kvstack.engines.state import Endpoint, EngineState
-from kvstack.engines.tiny_model import make_tiny_model
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.index.prefix_index import Tier
 from kvstack.router.prefix import PrefixLocator

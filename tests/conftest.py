@@ -14,7 +14,7 @@ import pytest
 import zmq.asyncio
 
 from harness import EngineProcess, start_sim, start_vllm, vllm_missing_reason
-from kvstack.engines.tiny_model import make_tiny_model
+from kvstack.devtools.tiny_model import make_tiny_model
 
 
 @pytest.fixture(scope="session")

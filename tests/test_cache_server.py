@@ -34,7 +34,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import DiskTier, MemoryTier, Payload, Tier, TierStats
 from kvstack.cache.tiers.redis import RedisTier
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,

@@ -22,7 +22,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness import EngineProcess
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     BlockRemoved,

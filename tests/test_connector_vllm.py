@@ -37,7 +37,7 @@ from kvstack.cache.client import CacheClient
 from kvstack.cache.events import block_hash
 from kvstack.cache.keys import ChunkKey, chunk_keys
 from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
-from kvstack.engines.kv_events import BlockStored, decode_batch, decode_seq, encode_seq
+from kvstack.kvevents.codec import BlockStored, decode_batch, decode_seq, encode_seq
 
 pytestmark = pytest.mark.vllm
 

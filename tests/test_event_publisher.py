@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
@@ -23,7 +23,7 @@ from kvstack.engines.kv_events import (
     encode_batch,
     encode_seq,
 )
-from kvstack.sim.event_publisher import KVEventPublisher
+from kvstack.kvevents.publisher import KVEventPublisher
 
 REPO = Path(__file__).resolve().parents[1]
 VLLM_PYTHON = Path(os.environ.get("KVSTACK_VLLM_PYTHON", str(REPO / ".venvs" / "vllm" / "bin" / "python")))

@@ -11,7 +11,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     REPLAY_END_SEQ,
@@ -231,7 +231,7 @@ def test_unknown_event_types_are_skipped_and_reported() -> None:
 
 def test_unknown_event_types_are_logged_without_a_callback(caplog: pytest.LogCaptureFixture) -> None:
     payload = msgspec.msgpack.encode([4.0, [{"type": "BlockMoved"}], None])
-    with caplog.at_level(logging.WARNING, logger="kvstack.engines.kv_events"):
+    with caplog.at_level(logging.WARNING, logger="kvstack.kvevents.codec"):
         assert decode_batch(payload).events == []
     assert "'BlockMoved'" in caplog.text
 

@@ -316,9 +316,9 @@ def test_no_hit_lru_prefers_the_least_recently_used_for_cold_prompts_only() -> N
 
 
 async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
-    from kvstack.engines.kv_events import BlockStored
+    from kvstack.kvevents.codec import BlockStored
+    from kvstack.kvevents.publisher import KVEventPublisher
     from kvstack.router.kv_feeds import CacheEvents
-    from kvstack.sim.event_publisher import KVEventPublisher
 
     engines = await _sims(2, kv_events=True)
     chunk = 64

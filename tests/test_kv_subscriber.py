@@ -12,7 +12,7 @@ import zmq
 import zmq.asyncio
 
 from harness import free_port
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
     BlockStored,
@@ -20,14 +20,14 @@ from kvstack.engines.kv_events import (
     encode_batch,
     encode_seq,
 )
-from kvstack.engines.kv_subscriber import (
+from kvstack.kvevents.publisher import KVEventPublisher
+from kvstack.kvevents.subscriber import (
     EventSource,
     KVEventSubscriber,
     SequenceTracker,
     SeqVerdict,
     resolve_sources,
 )
-from kvstack.sim.event_publisher import KVEventPublisher
 
 TIMEOUT = 5.0
 

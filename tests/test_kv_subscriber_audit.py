@@ -15,15 +15,15 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from kvstack.engines.kv_events import (
+from kvstack.engines.state import Endpoint
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     BlockStored,
     EventBatch,
     encode_batch,
     encode_seq,
 )
-from kvstack.engines.kv_subscriber import EventSource, KVEventSubscriber, replay, resolve_sources
-from kvstack.engines.state import Endpoint
+from kvstack.kvevents.subscriber import EventSource, KVEventSubscriber, replay, resolve_sources
 from kvstack.router.kv_feeds import KVEventFeeds
 from kvstack.router.prefix import PrefixLocator
 from test_kv_subscriber import CountingObserver, RecordingSink, ScriptedPublisher, _batch

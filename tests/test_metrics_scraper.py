@@ -21,8 +21,8 @@ from aiohttp import web
 from harness import EngineProcess, free_port, start_sim
 from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.http.client import UpstreamPool
 from kvstack.router.server import lean_metrics_fetch
-from kvstack.router.upstream import UpstreamPool
 
 LEGACY = {
     "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",

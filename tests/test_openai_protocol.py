@@ -17,7 +17,7 @@ import pytest
 
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
-from kvstack.openai.protocol import (
+from kvstack.sim.openai.protocol import (
     ChatRequest,
     SamplingOptions,
     ServingLimits,

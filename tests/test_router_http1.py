@@ -1,4 +1,4 @@
-"""The router's HTTP/1.1 server (kvstack.router.http1) over real sockets: framing, limits, timeouts,
+"""The router's HTTP/1.1 server (kvstack.http.server) over real sockets: framing, limits, timeouts,
 keep-alive, pipelining, back-pressure and client disconnects. Raw sockets, so every byte is checked."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import pytest
 
-from kvstack.router.http1 import Connection, HttpServer, Request, Response
+from kvstack.http.server import Connection, HttpServer, Request, Response
 
 pytestmark = pytest.mark.asyncio
 

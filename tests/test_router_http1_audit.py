@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from kvstack.router.http1 import Connection, Request, Response
+from kvstack.http.server import Connection, Request, Response
 from test_router_http1 import Served, _post, _read_response, _serve
 
 pytestmark = pytest.mark.asyncio

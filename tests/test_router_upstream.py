@@ -1,4 +1,4 @@
-"""The proxy's HTTP/1.1 client (kvstack.router.upstream) against raw asyncio servers that misbehave on cue."""
+"""The proxy's HTTP/1.1 client (kvstack.http.client) against raw asyncio servers that misbehave on cue."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from kvstack.router.upstream import ConnectFailed, Origin, UpstreamBroken, UpstreamPool, UpstreamTimeout
+from kvstack.http.client import ConnectFailed, Origin, UpstreamBroken, UpstreamPool, UpstreamTimeout
 
 Handler = Callable[["_Conn", bytes], None]
 ServerFactory = Callable[[Handler], "RawServer"]

@@ -28,8 +28,8 @@ import zmq
 import zmq.asyncio
 
 from harness import EngineProcess, _spawn, _wait_healthy, free_port, fresh_prompt, metrics, start_sim
-from kvstack.engines.kv_events import BlockStored, decode_batch
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.kvevents.codec import BlockStored, decode_batch
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.scheduler import LatencyModel

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import random
 
-from kvstack.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+from kvstack.kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored
 from kvstack.sim.kv_cache import KVCache, chain_block_hashes
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvstack.engines.tiny_model import SHAPES, TinyShape, make_tiny_model
+from kvstack.devtools.tiny_model import SHAPES, TinyShape, make_tiny_model
 from kvstack.engines.tokenizer import CHATML_TEMPLATE, ENDOFTEXT, IM_END, IM_START, HFTokenizer
 
 MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -19,7 +19,7 @@ MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 _DIGEST_SCRIPT = """
 import hashlib, sys
 from pathlib import Path
-from kvstack.engines.tiny_model import make_tiny_model
+from kvstack.devtools.tiny_model import make_tiny_model
 out = make_tiny_model(Path(sys.argv[1]))
 for name in sys.argv[2:]:
     print(name, hashlib.sha256((out / name).read_bytes()).hexdigest())

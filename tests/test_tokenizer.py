@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer as RustTokenizer
 from tokenizers.processors import TemplateProcessing
 
-from kvstack.engines.tiny_model import make_tiny_model
+from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.tokenizer import (
     CHATML_TEMPLATE,
     ENDOFTEXT,

@@ -235,7 +235,7 @@ def _run_sim(args: argparse.Namespace) -> int:
 
 
 def _run_model(args: argparse.Namespace) -> int:
-    from kvstack.engines.tiny_model import SHAPES, make_tiny_model
+    from kvstack.devtools.tiny_model import SHAPES, make_tiny_model
 
     path = make_tiny_model(Path(args.directory), shape=SHAPES[args.shape], model_name=args.name)
     if not args.quiet:

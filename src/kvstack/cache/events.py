@@ -51,7 +51,7 @@ from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Tier
 from kvstack.cache.tiers.disk import DiskTier
 from kvstack.cache.tiers.memory import MemoryTier
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
     BlockRemoved,

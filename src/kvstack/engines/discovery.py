@@ -33,7 +33,7 @@ import yaml
 
 from kvstack.engines.catalog import CATALOGS
 from kvstack.engines.state import Endpoint, EngineRole
-from kvstack.router.upstream import Origin
+from kvstack.http.client import Origin
 
 if TYPE_CHECKING:
     from kubernetes_asyncio.client import ApiClient, CoreV1Api, V1Pod

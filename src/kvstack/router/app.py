@@ -1,6 +1,6 @@
 """The router's HTTP data plane: OpenAI endpoints proxied to the engine scheduling picks.
 
-Served by kvstack's own HTTP/1.1 server (`kvstack.router.http1`), not aiohttp's: on the proxied routes
+Served by kvstack's own HTTP/1.1 server (`kvstack.http.server`), not aiohttp's: on the proxied routes
 aiohttp's server cost more CPU than routing and relaying together. aiohttp stays the client for the
 router's own calls to engines (models, scrapes, KV event sources, remote tokenization).
 
@@ -38,14 +38,14 @@ import msgspec
 
 from kvstack.engines.catalog import CATALOGS
 from kvstack.engines.state import Endpoint, EngineRole, EngineState
+from kvstack.http.client import Origin
+from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.router.admission import AdmissionController, AdmissionRejected
-from kvstack.router.http1 import Connection, HttpServer, Request, Response
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
-from kvstack.router.upstream import Origin
 from kvstack.router.workers import WorkerGroup
 
 log = logging.getLogger(__name__)

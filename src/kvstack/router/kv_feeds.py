@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import aiohttp
 import zmq.asyncio
 
-from kvstack.engines.kv_subscriber import EventSource, KVEventObserver, KVEventSubscriber, resolve_sources
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.kvevents.subscriber import EventSource, KVEventObserver, KVEventSubscriber, resolve_sources
 from kvstack.router.prefix import PrefixLocator
 
 log = logging.getLogger(__name__)

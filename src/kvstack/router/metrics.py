@@ -483,7 +483,7 @@ class RouterMetrics:
         for name in names:
             self.hot.set_gauge(family, (engine, name), 1.0)
 
-    # -- KVEventObserver (kvstack.engines.kv_subscriber) ---------------------------------------------
+    # -- KVEventObserver (kvstack.kvevents.subscriber) ---------------------------------------------
     def kv_batch(self, engine: str, batch: Any) -> None:
         for event in batch.events:
             self.hot.count("kvstack_kv_events", (engine, type(event).__name__))

@@ -51,11 +51,11 @@ from dataclasses import dataclass
 from typing import Final, Protocol
 
 from kvstack.cache.events import MODEL_EXTRA_KEY
-from kvstack.engines.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstack.engines.state import EngineState
 from kvstack.index.history import HistoryIndex
 from kvstack.index.keys import BlockKeyer
 from kvstack.index.prefix_index import PrefixIndex, Tier
+from kvstack.kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstack.scheduling.interfaces import PrefixView
 
 log = logging.getLogger(__name__)

@@ -32,13 +32,13 @@ from typing import Literal
 
 import msgspec
 
+from kvstack.http.client import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
+from kvstack.http.server import Connection
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.openai.sse import DONE, encode_error_event
-from kvstack.router.http1 import Connection
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.registry import EngineEntry, EngineRegistry
-from kvstack.router.upstream import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
 
 log = logging.getLogger(__name__)
 

@@ -20,19 +20,19 @@ from kvstack.engines.prompt_tokens import PromptTokenizer
 from kvstack.engines.scraper import MetricsFetch, MetricsScraper, ScrapeFailed, check_answer, read_capped
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.http.client import ConnectFailed, UpstreamError, UpstreamPool
+from kvstack.http.server import HttpServer
 from kvstack.index.history import HistoryIndex
 from kvstack.index.prefix_index import PrefixIndex
 from kvstack.router.admission import AdmissionController
 from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.circuit import CircuitConfig
-from kvstack.router.http1 import HttpServer
 from kvstack.router.kv_feeds import CacheEvents, KVEventFeeds
 from kvstack.router.metrics import RouterMetrics
 from kvstack.router.prefix import PrefixLocator, PrefixSource
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.routing import SchedulerPicker
-from kvstack.router.upstream import ConnectFailed, UpstreamError, UpstreamPool
 from kvstack.router.workers import WorkerGroup, WorkerGroupConfig
 from kvstack.scheduling import Scheduler, build_scheduler
 from kvstack.scheduling.presets import load_routing

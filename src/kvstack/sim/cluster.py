@@ -10,8 +10,8 @@ from dataclasses import dataclass, field, replace
 from aiohttp import web
 
 from kvstack.engines.tokenizer import Tokenizer
+from kvstack.kvevents.publisher import KVEventPublisher
 from kvstack.sim.engine import EngineConfig, SimEngine
-from kvstack.sim.event_publisher import KVEventPublisher
 from kvstack.sim.faults import FaultConfig
 from kvstack.sim.kv_connector import CacheTierConfig, CacheTierConnector
 from kvstack.sim.server import ServerConfig, SimServer

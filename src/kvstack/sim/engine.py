@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstack.engines.kv_events import KVEvent
+from kvstack.kvevents.codec import KVEvent
 from kvstack.sim.kv_cache import KVCache
 from kvstack.sim.metrics import EngineMetrics
 from kvstack.sim.scheduler import ExternalPrefix, LatencyModel, Scheduler, SimRequest, Status

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvstack.engines.kv_events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
+from kvstack.kvevents.codec import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, KVEvent
 
 NULL_BLOCK_ID = 0
 

@@ -45,7 +45,7 @@ TIER_SOURCES = {"memory": "host", "disk": "disk"}
 def sim_kv_layout(model: str, model_dir: str | None, block_size: int) -> KVLayout:
     """The chunk-key namespace of a simulated engine serving ``model`` (its model id, like vLLM's); the KV
     shape comes from ``model_dir/config.json``, else from the built-in tiny model's shape."""
-    from kvstack.engines.tiny_model import TinyShape  # its import loads the tokenizers library
+    from kvstack.devtools.tiny_model import TinyShape  # its import loads the tokenizers library
 
     shape = TinyShape()
     config: dict[str, Any] = {}

@@ -27,7 +27,11 @@ from kvstack.engines.tokenizer import Tokenizer
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.openai.http import error_response, json_response
-from kvstack.openai.protocol import (
+from kvstack.openai.sse import DONE, encode_error_event, encode_event
+from kvstack.sim import responses as R
+from kvstack.sim.engine import RequestStream, SimEngine, TokenEvent
+from kvstack.sim.faults import FaultConfig, FaultDraw, draw, injected_error
+from kvstack.sim.openai.protocol import (
     ChatRequest,
     CompletionRequest,
     SamplingOptions,
@@ -40,10 +44,6 @@ from kvstack.openai.protocol import (
     parse_detokenize_request,
     parse_tokenize_request,
 )
-from kvstack.openai.sse import DONE, encode_error_event, encode_event
-from kvstack.sim import responses as R
-from kvstack.sim.engine import RequestStream, SimEngine, TokenEvent
-from kvstack.sim.faults import FaultConfig, FaultDraw, draw, injected_error
 from kvstack.sim.scheduler import SimRequest
 
 log = logging.getLogger(__name__)

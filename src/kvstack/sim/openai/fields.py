@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvstack.openai import errors
-from kvstack.openai.requests import SamplingOptions, StreamOptions
-from kvstack.openai.validation import FieldReader
+from kvstack.sim.openai.requests import SamplingOptions, StreamOptions
+from kvstack.sim.openai.validation import FieldReader
 
 Spec = tuple[str, str | tuple[str, ...], Any, bool]
 

@@ -23,10 +23,10 @@ a request with one fault gets vLLM's status, ``type`` and ``param`` (and the gis
 error first. One deliberate difference: a non-object ``structured_outputs`` makes vLLM answer 500;
 kvstack answers the 400 its type check implies.
 
-Where each stage lives: `kvstack.openai.validation` (1 and 3: body decoding, pydantic's lax field
-types), `kvstack.openai.prevalidators` (2), `kvstack.openai.fields` (each endpoint's field table),
-`kvstack.openai.limits` (4, 6, 7, 8) and this module (5, and the ``parse_*`` functions that run the
-stages in order). The request Structs are in `kvstack.openai.requests`; every public name of these
+Where each stage lives: `kvstack.sim.openai.validation` (1 and 3: body decoding, pydantic's lax field
+types), `kvstack.sim.openai.prevalidators` (2), `kvstack.sim.openai.fields` (each endpoint's field table),
+`kvstack.sim.openai.limits` (4, 6, 7, 8) and this module (5, and the ``parse_*`` functions that run the
+stages in order). The request Structs are in `kvstack.sim.openai.requests`; every public name of these
 modules that callers use is importable from here.
 """
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstack.openai import errors
-from kvstack.openai.fields import (
+from kvstack.sim.openai.fields import (
     CHAT_FIELDS,
     CHAT_TYPED,
     COMPLETION_FIELDS,
@@ -49,7 +49,7 @@ from kvstack.openai.fields import (
     request_fields,
     sampling_options,
 )
-from kvstack.openai.limits import (
+from kvstack.sim.openai.limits import (
     DEFAULT_MAX_LOGPROBS,
     MAX_N,
     ServingLimits,
@@ -64,13 +64,13 @@ from kvstack.openai.limits import (
     check_truncation_bound,
     resolve_model,
 )
-from kvstack.openai.prevalidators import (
+from kvstack.sim.openai.prevalidators import (
     MAX_COMPLETION_PROMPTS,
     check_generation_prompt,
     prevalidate_chat,
     prevalidate_completion,
 )
-from kvstack.openai.requests import (
+from kvstack.sim.openai.requests import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatRequest,
     CompletionRequest,
@@ -80,7 +80,7 @@ from kvstack.openai.requests import (
     StreamOptions,
     TokenizeRequest,
 )
-from kvstack.openai.validation import (
+from kvstack.sim.openai.validation import (
     INT64_MAX,
     INT64_MIN,
     MAX_STOP_STRINGS,

@@ -1,4 +1,4 @@
-"""The parsed requests `kvstack.openai.protocol`'s ``parse_*`` functions return: typed msgspec Structs.
+"""The parsed requests `kvstack.sim.openai.protocol`'s ``parse_*`` functions return: typed msgspec Structs.
 
 Each Struct keeps the body fields it has no attribute for in ``extra``, as sent.
 """

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvstack.openai import errors
-from kvstack.openai.requests import COMPLETION_DEFAULT_MAX_TOKENS
+from kvstack.sim.openai.requests import COMPLETION_DEFAULT_MAX_TOKENS
 
 MAX_COMPLETION_PROMPTS = 1024  # VLLM_MAX_COMPLETION_PROMPTS
 _MAX_CACHE_SALT = 128

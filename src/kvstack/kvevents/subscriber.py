@@ -52,7 +52,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from kvstack.engines.kv_events import (
+from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
     EventBatch,

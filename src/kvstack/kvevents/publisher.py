@@ -5,7 +5,7 @@
 vLLM publishes once per step. The last ``buffer_steps`` (10000) payloads are kept for replay: a DEALER sends
 ``[b"", start_seq]`` (8 bytes big-endian) to the ROUTER at ``replay_endpoint`` and receives
 ``[b"", topic, seq, payload]`` for each kept batch with seq >= start_seq, then ``[b"", b"", seq=-1, b""]``.
-Payloads are built by ``kvstack.engines.kv_events``; ``legacy_array`` selects the older array encoding.
+Payloads are built by ``kvstack.kvevents.codec``; ``legacy_array`` selects the older array encoding.
 
 Nothing here waits on a subscriber: PUB drops messages past its high-water mark ``hwm``, as vLLM's does.
 """
@@ -22,7 +22,7 @@ from typing import Self
 import zmq
 import zmq.asyncio
 
-from kvstack.engines.kv_events import REPLAY_END_SEQ_BYTES, EventBatch, KVEvent, encode_batch, encode_seq
+from kvstack.kvevents.codec import REPLAY_END_SEQ_BYTES, EventBatch, KVEvent, encode_batch, encode_seq
 
 __all__ = ["KVEventPublisher"]
 

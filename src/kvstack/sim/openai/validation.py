@@ -3,7 +3,7 @@
 `decode_body` decodes JSON as vLLM's Python json module would. `FieldReader` reads one field at a time
 with pydantic's lax coercions (``"5"`` is an int, ``"yes"`` a bool, ``2.0`` an int), records every
 issue in pydantic's order, and `validation_error` turns them into vLLM's 400 ``Bad Request`` whose
-``param`` is the first issue's location. Which fields an endpoint reads is `kvstack.openai.fields`.
+``param`` is the first issue's location. Which fields an endpoint reads is `kvstack.sim.openai.fields`.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import msgspec
 
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
-from kvstack.openai.requests import StreamOptions
+from kvstack.sim.openai.requests import StreamOptions
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstack.openai import errors
-from kvstack.openai.requests import COMPLETION_DEFAULT_MAX_TOKENS, SamplingOptions
+from kvstack.sim.openai.requests import COMPLETION_DEFAULT_MAX_TOKENS, SamplingOptions
 
 MAX_N = 16384  # VLLM_MAX_N_SEQUENCES
 DEFAULT_MAX_LOGPROBS = 20  # vLLM's --max-logprobs

@@ -1,0 +1,1 @@
+"""Development fixtures: an offline dummy-weight model directory (`tiny_model`) for vLLM and the simulator."""
