@@ -52,6 +52,7 @@ run: dev
 lint: dev
 	$(DEV)/bin/ruff check src tests benchmarks
 	$(DEV)/bin/ruff format --check src tests benchmarks
+	$(DEV)/bin/lint-imports --no-cache
 
 typecheck: dev
 	$(DEV)/bin/mypy
