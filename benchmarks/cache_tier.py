@@ -1334,7 +1334,7 @@ def verdicts(report: Report, ran: Sequence[str]) -> dict[str, dict[str, Any]]:
 
 
 def markdown(report: Report) -> str:
-    """The results as markdown tables (for docs/benchmarks.md)."""
+    """The results as markdown tables (for docs/benchmarks/cache-tier.md)."""
     lines = ["| ceiling | size | value | how |", "|---|--:|--:|---|"]
     lines += [f"| {c.name} | {c.size} | {c.value:,.2f} {c.unit} | {c.how} |" for c in report.ceilings]
     lines += ["", "| target | measurement | size | result | ceiling | ratio | needed | verdict |"]
