@@ -1,0 +1,52 @@
+"""The ``kvstack`` command: the composition root that builds every object from flags.
+
+Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``up`` (a local stack: simulated engines, a KV
+cache server and the router), ``cache-server``, ``bench``, ``model make-tiny`` (a dummy-weight model directory
+that real vLLM and the simulator both serve), ``version``. Each lives in its own module (``kvstack.cli.sim``,
+``.router``, ``.up``, ``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run
+function; this module assembles the parser and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from kvstack import __version__
+from kvstack.bench.cli import add_bench_parser
+from kvstack.bench.cli import run_bench as run_bench_command
+from kvstack.cache.cli import add_cache_server_parser, run_cache_server
+from kvstack.cli import model, router, sim, up
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvstack", description="KV-cache-aware serving stack around vLLM.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sim.add_parser(sub)
+    router.add_parser(sub)
+    up.add_parser(sub)
+    add_bench_parser(sub)
+    add_cache_server_parser(sub)
+    model.add_parser(sub)
+    sub.add_parser("version", help="print the kvstack version")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "version":
+        print(f"kvstack {__version__}")
+        return 0
+    if args.command == "model":
+        return model.run(args)
+    if args.command == "bench":
+        return run_bench_command(args)
+    if args.command == "cache-server":
+        return run_cache_server(args)
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
+    if args.command == "router":
+        return router.run(args, list(sys.argv[1:] if argv is None else argv))
+    if args.command == "up":
+        return up.run(args)
+    return sim.run(args)

@@ -1,0 +1,215 @@
+"""``kvstack up``: a local stack in one command: simulated engines, a KV cache server (a child
+``kvstack cache-server`` process) and the router in front, on consecutive ports."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from kvstack.cli.signals import serve_until_signal
+from kvstack.sim.kv_connector import DEFAULT_CHUNK_SIZE
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "up", help="a local stack: simulated engines and a KV cache server with the router in front"
+    )
+    p.add_argument("--engines", type=int, default=2)
+    p.add_argument("--port", type=int, default=8080, help="router port; engines use port+1 .. port+N")
+    p.add_argument(
+        "--model", default=None, help="model directory for the engines' tokenizer (default built-in)"
+    )
+    p.add_argument("--served-model-name", default="kvstack-sim")
+    p.add_argument("--routing", default="auto")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    g = p.add_argument_group("KV cache tier")
+    g.add_argument(
+        "--no-cache-server",
+        dest="cache_server",
+        action="store_false",
+        help="no cache server: engines without a KV connector, the router without cache events",
+    )
+    g.add_argument(
+        "--cache-port",
+        type=int,
+        default=0,
+        help="cache server port; its events use port+1 and their replay port+2 (0 = free ports)",
+    )
+    g.add_argument("--cache-memory-mb", type=float, default=256.0, help="the cache server's memory budget")
+    g.add_argument("--cache-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk")
+    p.add_argument("--log-level", default="warning")
+
+
+@dataclass(frozen=True)
+class _CacheServerPlan:
+    """Where ``kvstack up``'s cache server listens, and what it holds."""
+
+    bind: str
+    events: str
+    replay: str
+    node: str
+    memory_mb: float
+    chunk_size: int
+
+    @classmethod
+    def on_port(cls, port: int, **kwargs: Any) -> _CacheServerPlan:
+        ports = [port, port + 1, port + 2] if port else [_free_port() for _ in range(3)]
+        bind, events, replay = (f"tcp://127.0.0.1:{p}" for p in ports)
+        return cls(bind, events, replay, **kwargs)
+
+    def command(self, log_level: str) -> list[str]:
+        return [
+            sys.executable, "-m", "kvstack.cli", "cache-server", "--bind", self.bind,
+            "--events", self.events, "--events-replay", self.replay, "--node", self.node,
+            "--memory-gb", str(self.memory_mb / 1024), "--chunk-size", str(self.chunk_size),
+            "--log-level", log_level,
+        ]  # fmt: skip
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _start_cache_server(plan: _CacheServerPlan, log_level: str) -> asyncio.subprocess.Process:
+    """``kvstack cache-server`` as a child process (same process group: stopping the stack's group stops
+    it too); returns once it has bound its sockets (its first line of output)."""
+    proc = await asyncio.create_subprocess_exec(
+        *plan.command(log_level), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+    )
+    assert proc.stdout is not None
+    try:
+        ready = await asyncio.wait_for(proc.stdout.readline(), timeout=60.0)
+    except BaseException:
+        await _stop_process(proc)
+        raise
+    if not ready:
+        code = await proc.wait()
+        print(f"kvstack up: the cache server exited ({code}) before serving (see above)", file=sys.stderr)
+        raise SystemExit(1)
+    return proc
+
+
+async def _stop_process(proc: asyncio.subprocess.Process) -> None:
+    """SIGTERM, then SIGKILL after 10 s."""
+    if proc.returncode is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+        try:
+            await asyncio.wait_for(proc.wait(), 10.0)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+async def _drain_output(proc: asyncio.subprocess.Process) -> None:
+    """Pass the cache server's later output on (an unread pipe would block it once full)."""
+    assert proc.stdout is not None
+    while line := await proc.stdout.readline():
+        sys.stdout.write(line.decode(errors="replace"))
+        sys.stdout.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    import socket
+
+    from kvstack.engines.state import Endpoint
+    from kvstack.engines.tokenizer import load_tokenizer
+    from kvstack.router.kv_feeds import CacheEvents
+    from kvstack.router.server import RouterOptions, running_router
+    from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
+    from kvstack.sim.engine import EngineConfig
+    from kvstack.sim.kv_connector import CacheTierConfig, sim_kv_layout
+    from kvstack.sim.textgen import OutputSampler
+
+    tokenizer = load_tokenizer(args.model)
+    name = args.served_model_name
+    engine_cfg = EngineConfig(model_name=name, time_scale=args.time_scale)
+    model_root = args.model or name
+    # Engines and cache server share one node: the cache's chunks count for every engine.
+    node = socket.gethostname()
+    plan = None
+    cache_tier = None
+    if args.cache_server:
+        try:
+            if args.cache_memory_mb <= 0:
+                raise ValueError("--cache-memory-mb must be positive")
+            plan = _CacheServerPlan.on_port(
+                args.cache_port, node=node, memory_mb=args.cache_memory_mb, chunk_size=args.cache_chunk_size
+            )
+            cache_tier = CacheTierConfig(
+                server=plan.bind,
+                layout=sim_kv_layout(model_root, args.model, engine_cfg.block_size),
+                chunk_size=args.cache_chunk_size,
+            ).validate(engine_cfg.block_size)
+        except ValueError as exc:
+            print(f"kvstack up: {exc}", file=sys.stderr)
+            return 2
+    sim = SimOptions(
+        engine=engine_cfg,
+        served_model_names=[name],
+        model_root=model_root,
+        port=args.port + 1,
+        engines=args.engines,
+        enable_prompt_tokens_details=True,
+        cache_tier=cache_tier,
+    )
+
+    async def main() -> None:
+        cache = None if plan is None else await _start_cache_server(plan, args.log_level)
+        background: list[asyncio.Task[Any]] = []
+        engines = []
+        try:
+            sampler = OutputSampler(tokenizer)
+            for i in range(args.engines):
+                engines.append(await start_engine(sim, tokenizer, sampler, i))
+            opts = RouterOptions(
+                port=args.port,
+                engines=[Endpoint(e.url, node=node) for e in engines],
+                routing=args.routing,
+                tokenizers={"*": args.model} if args.model else {},
+                cache_events=[]
+                if plan is None
+                else [CacheEvents(plan.events, node=node, replay_endpoint=plan.replay)],
+            )
+            async with running_router(opts) as router:
+                parts = f"{len(engines)} simulated engine(s)" + ("" if plan is None else " + KV cache server")
+                print(f"kvstack: {parts} serving {name!r} behind the router")
+                for e in engines:
+                    print(f"  engine {e.index}: {e.url}  (kv events {e.events_endpoint})")
+                if plan is not None:
+                    print(
+                        f"  cache:    {plan.bind}  (events {plan.events}, node {node}, "
+                        f"{plan.memory_mb:g} MiB memory, chunks of {plan.chunk_size} tokens)"
+                    )
+                print(f"  router:   {router.url}  (/engines, /metrics, /ready)")
+                print(f"OpenAI base URL: {router.url}/v1   model: {name}")
+                print(
+                    f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                    f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'',
+                    flush=True,
+                )
+                if cache is not None:
+                    background.append(asyncio.ensure_future(_drain_output(cache)))
+                    code = await cache.wait()
+                    # The engines keep serving (every lookup a miss), as a stack whose cache died would.
+                    print(f"kvstack up: cache server exited ({code}); engines go on without it", flush=True)
+                await asyncio.Event().wait()
+        finally:
+            for task in background:
+                task.cancel()
+            for e in engines:
+                await stop_engine(e)
+            if cache is not None:
+                await _stop_process(cache)
+
+    return serve_until_signal(main())
