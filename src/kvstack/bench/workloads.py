@@ -11,23 +11,9 @@ The same seed gives the same texts and the same planned arrival times; a differe
 
 Arrivals (every workload): ``qps`` requests per second in total, ``arrival="poisson"`` (exponential gaps)
 or ``"uniform"`` (gaps of exactly ``1/qps``); ``qps <= 0`` plans every request at time 0 (the runner's
-concurrency cap then sets the pace).
-
-- ``MultiRoundQA`` (production-stack's multi-round QA shape): ``num_users`` users each hold a conversation
-  of ``num_rounds`` rounds. Every user's first message carries a system prompt of ``system_prompt_len``
-  words shared by all users and a per-user history of ``user_history_len`` words, then a question of
-  ``question_len`` words; later rounds add a question each, after the answers actually received.
-  ``answer_len`` is ``max_tokens``. Arrival slot k goes to user ``k % num_users``, round ``k // num_users``,
-  so users start staggered and each user's rounds are planned ``num_users`` slots apart; a round whose
-  previous answer is late is sent when it arrives. Size: ``num_users * num_rounds``.
-- ``SharedPrefix``: ``groups`` prefixes of ``prefix_len`` words; each request picks a group, uniformly or
-  with Zipf weights ``1 / rank**zipf`` (group 0 the most popular) when ``zipf`` is set, and sends the
-  group's prefix followed by a fresh ``suffix_len``-word suffix. Endless: bound the run.
-- ``LongDocQA``: ``documents`` documents of ``document_len`` words, ``questions_per_document`` questions
-  each, asked in passes over all documents (document 0..D-1, then again), so the long prefix of one
-  document recurs ``documents`` requests later: with a KV cache smaller than all documents together, LRU
-  eviction makes every repeat a miss unless routing keeps documents apart. Size:
-  ``documents * questions_per_document``.
+concurrency cap then sets the pace). Workloads: ``MultiRoundQA`` (multi-round chat over a shared system
+prompt), ``SharedPrefix`` (independent requests over a few popular prefixes) and ``LongDocQA`` (questions
+on long documents); each class says its shape and size.
 """
 
 from __future__ import annotations
@@ -166,7 +152,16 @@ def _lead(lead: str, question: str) -> str:
 
 @dataclass(frozen=True, kw_only=True)
 class MultiRoundQA:
-    """Users in multi-round conversations over a shared system prompt and their own history."""
+    """Users in multi-round conversations over a shared system prompt and their own history.
+
+    production-stack's multi-round QA shape: ``num_users`` users each hold a conversation of ``num_rounds``
+    rounds. Every user's first message carries a system prompt of ``system_prompt_len`` words shared by all
+    users and a per-user history of ``user_history_len`` words, then a question of ``question_len`` words;
+    later rounds add a question each, after the answers actually received. ``answer_len`` is ``max_tokens``.
+    Arrival slot k goes to user ``k % num_users``, round ``k // num_users``, so users start staggered and each
+    user's rounds are planned ``num_users`` slots apart; a round whose previous answer is late is sent when it
+    arrives. Size: ``num_users * num_rounds``.
+    """
 
     num_users: int = 10
     num_rounds: int = 5
@@ -220,7 +215,12 @@ class MultiRoundQA:
 
 @dataclass(frozen=True, kw_only=True)
 class SharedPrefix:
-    """Independent requests sharing one of ``groups`` prefixes, picked uniformly or by Zipf popularity."""
+    """Independent requests sharing one of ``groups`` prefixes, picked uniformly or by Zipf popularity.
+
+    ``groups`` prefixes of ``prefix_len`` words; each request picks a group, uniformly or with Zipf weights
+    ``1 / rank**zipf`` (group 0 the most popular) when ``zipf`` is set, and sends the group's prefix followed
+    by a fresh ``suffix_len``-word suffix. Endless: bound the run.
+    """
 
     groups: int = 8
     prefix_len: int = 1000  # words of each group's prefix
@@ -272,7 +272,13 @@ class SharedPrefix:
 
 @dataclass(frozen=True, kw_only=True)
 class LongDocQA:
-    """Questions on long documents, interleaved across documents so repeats of one are far apart."""
+    """Questions on long documents, interleaved across documents so repeats of one are far apart.
+
+    ``documents`` documents of ``document_len`` words, ``questions_per_document`` questions each, asked in
+    passes over all documents (document 0..D-1, then again), so the long prefix of one document recurs
+    ``documents`` requests later: with a KV cache smaller than all documents together, LRU eviction makes
+    every repeat a miss unless routing keeps documents apart. Size: ``documents * questions_per_document``.
+    """
 
     documents: int = 8
     document_len: int = 10000  # words per document

@@ -5,23 +5,12 @@ how to read it (a gauge's value, a counter's value, or a label of an info gauge 
 ``vllm:cache_config_info{block_size="16",num_gpu_blocks="8192"} 1``) and known aliases, i.e. older names
 with the engine version that renamed them. A signal the engine type does not export has no source.
 
-Catalogs:
-
-- ``vllm >= 0.10``: ``vllm:num_requests_waiting``, ``vllm:num_requests_running``,
-  ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries`` / ``_hits`` (counters, tokens),
-  ``vllm:cache_config_info`` labels ``block_size`` / ``num_gpu_blocks``. Aliases, renamed in 0.9.2:
-  ``vllm:gpu_cache_usage_perc``, ``vllm:gpu_prefix_cache_queries`` / ``_hits``.
-- ``vllm < 0.10``: the same with the pre-rename names expected.
-- ``sglang``: ``sglang:num_queue_reqs``, ``sglang:num_running_reqs``, ``sglang:token_usage``,
-  ``sglang:cache_config_info`` labels ``page_size`` / ``num_pages``; no prefix-cache counters.
-- ``trtllm`` (trtllm-serve): ``trtllm_num_requests_waiting``, ``trtllm_num_requests_running``,
-  ``trtllm_kv_cache_utilization``, gauges ``trtllm_kv_cache_tokens_per_block`` /
-  ``trtllm_kv_cache_max_blocks``.
-- ``triton``: ``nv_inference_pending_request_count`` only. Triton has no gauge of running requests;
-  ``nv_inference_exec_count`` (which llm-d reads as "running") is a cumulative counter of batch executions,
-  and reading it as running requests would make a Triton engine look ever busier.
-
-``catalog_for(engine_type, version)`` picks the catalog; ``version=None`` means the newest.
+``CATALOGS`` lists every name: ``vllm >= 0.10`` (``vllm:num_requests_waiting``/``_running``,
+``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``/``_hits``, ``vllm:cache_config_info``; the
+``vllm:gpu_*`` names renamed in 0.9.2 as aliases), ``vllm < 0.10`` (the old names expected), ``sglang``
+(no prefix-cache counters), ``trtllm`` (trtllm-serve) and ``triton`` (the queue only: Triton has no gauge of
+running requests). ``catalog_for(engine_type, version)`` picks the catalog; ``version=None`` means the
+newest. Why catalogs, and why Triton has no running signal: docs/design/metrics-reading.md.
 """
 
 from __future__ import annotations

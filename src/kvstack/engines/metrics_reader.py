@@ -5,15 +5,11 @@
 - Series of one name are combined: summed across label values (several ``model_name`` values, vLLM's
   data-parallel ``engine`` ranks), except ``kv_usage``, a 0..1 ratio, which is averaged, and ``block_size``,
   which the ranks share, so the largest is taken. ``num_blocks`` is summed over the ``engine`` ranks.
-- Only the lines of names the catalog knows are parsed: a vLLM page is mostly histogram buckets. One regular
-  expression pass over the page finds those lines and checks that every other line starts like a metric
-  name, a comment or a blank, so an HTML error page or binary junk is still rejected. A sample line
-  (``name{label="value",...} value [timestamp]``, label values with the format's three escapes) is read by
-  `_sample`. Malformed text raises ``MetricsParseError``; no other error escapes. Cost, by
-  ``benchmarks/scrape_cost.py`` (docs/benchmarks.md): reading the whole page with prometheus_client, as
-  production-stack's router does, takes 80-100x as long of the router's event loop per engine and scrape;
-  kvstack's first reader (the wanted lines through prometheus_client, a Python loop over all lines) took
-  4-5x as long as this one.
+- Only the lines of names the catalog knows are parsed (a vLLM page is mostly histogram buckets), but every
+  other line must start like a metric name, a comment or a blank, so an HTML error page or binary junk is
+  still rejected. Malformed text raises ``MetricsParseError`` naming the line; no other error escapes.
+
+Why one regular-expression pass rather than a full Prometheus parser: docs/design/metrics-reading.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """Block key -> value in approximate LRU order: two generations of plain dicts (a CLOCK-like LRU).
 
-``young`` takes every new or touched key; ``old`` is the previous generation, evicted in the order its keys
-entered ``young``. Touching a key in ``old`` moves it to ``young``; touching a key already in ``young`` costs
-nothing, which is the point: a hot prefix is read with one dict lookup per block and no reordering (an
-``OrderedDict.move_to_end`` per block relinks list neighbours, several cache misses each once the table holds
-millions of blocks, and costs 50 more bytes per block). When ``old`` is used up, ``young`` becomes ``old``.
+``young`` takes every new or touched key; ``old`` is the previous generation. Touching a key in ``old``
+moves it to ``young``; touching a key already in ``young`` costs nothing (one dict lookup, no reordering).
+When ``old`` is used up, ``young`` becomes ``old``, in O(1).
 
-So eviction is LRU at the resolution of one generation: a key touched since the last swap is evicted after
-every key that was not. A caller that touches a prompt's keys last block first gets chains evicted from their
-tails.
+Eviction is LRU at the resolution of one generation: a key touched since the last swap is evicted after
+every key that was not, and ``old`` is evicted in the order its keys entered ``young``. A caller that touches
+a prompt's keys last block first gets chains evicted from their tails.
 
-The order keys entered ``young`` is kept as they enter, so a swap is O(1) (no pause to list millions of
-keys), in an ``array('Q')``: 8 bytes a key, no references, nothing for the garbage collector to walk (a deque
-of 7 million ints adds about 100 ms to every full collection). Keys must therefore be ints in [0, 2**64), as
-``BlockKeyer`` makes them. Keys deleted from ``young`` leave stale items, skipped when met; the order is
-rebuilt from ``young`` when stale items outnumber live ones (amortized O(1) per insert).
-
-Callers may read ``young`` and ``old`` directly in hot loops (``young.get(k)``, then ``old.get(k)``); all
-writes go through the methods.
+Keys must be ints in [0, 2**64), as ``BlockKeyer`` makes them; nothing here is tracked by the garbage
+collector, and every operation is O(1) amortized. Callers may read ``young`` and ``old`` directly in hot
+loops (``young.get(k)``, then ``old.get(k)``); all writes go through the methods. Why generations rather
+than an ``OrderedDict``: docs/design/prefix-index.md.
 """
 
 from __future__ import annotations

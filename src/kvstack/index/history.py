@@ -4,20 +4,15 @@ After routing a prompt, the router ``record``s its block keys (``BlockKeyer``, t
 index) for the chosen location; ``lookup`` then answers, per location, how many consecutive blocks from block
 0 were sent there recently. It is a guess at the engine's prefix cache, so it forgets on its own:
 
-- ``ttl_s`` (default 600 s): an entry older than this never matches. Expired entries are purged on every
-  ``record``/``lookup``/``purge`` from the front of each location's recency order, each entry once, so the
-  purge is O(1) amortized.
-- ``max_blocks_per_location`` (default 50,000, roughly a GPU's prefix cache at block size 16): past it a
-  location's least recently sent blocks are dropped; a prompt's blocks are recorded last block first, so a
-  chain is dropped from its tail.
+- ``ttl_s`` (default 600 s): an entry older than this never matches; expired entries are purged by every
+  ``record``/``lookup``/``purge``, O(1) amortized per entry.
+- ``max_blocks_per_location`` (default 50,000): past it a location's least recently sent blocks are dropped;
+  a prompt's blocks are recorded last block first, so a chain is dropped from its tail.
 
 Time is passed in (``now``, seconds, non-decreasing: ``time.monotonic()`` in the router), never read here.
-Structures: block key -> location bitmask; per location a dict key -> time last sent, and the send order as
-(key, time) items in two arrays, an item being stale once its key was sent again or dropped (skipped when met,
-compacted when stale items outnumber live ones). ``lookup`` is O(prompt blocks up to the longest match) like
-``PrefixIndex.lookup``; ``forget`` is O(that location's blocks). Memory: about 180 bytes per (location, block)
-entry, all of it in ints, floats and arrays, which the garbage collector never walks (an ``OrderedDict`` per
-location would add ~100 ms to every full collection at 64 locations x 50,000 blocks).
+``lookup`` is O(prompt blocks up to the longest match); ``forget`` is O(that location's blocks). Memory is
+about 180 bytes per (location, block) entry, none of it walked by the garbage collector. Structures and
+reasoning: docs/design/prefix-index.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,18 @@
 """kvstack's own block keys: one chained 64-bit key per full block of token ids.
 
-Blocks are keyed by their tokens, never by vLLM's block hashes: those depend on the engine's hash algorithm
-and its seed (``PYTHONHASHSEED``), so two engines serving the same prompt can disagree. Key scheme:
+Blocks are keyed by their tokens, never by vLLM's block hashes (those depend on the engine's hash algorithm
+and its ``PYTHONHASHSEED``, so two engines serving the same prompt can disagree). Key scheme:
 
 - ``root = xxh3_64(b"kvstack-block-key/v1\\0" + namespace + b"\\0" + block_size)``, where the router passes
-  the LoRA adapter's name as ``namespace`` (``""`` for the base model; see ``router/prefix.py``); block size
-  is in the root, so engines with block size 16 and 128 never share a key.
+  the LoRA adapter's name as ``namespace`` (``""`` for the base model; see ``router/prefix.py``); engines
+  with different block sizes never share a key.
 - ``key_i = xxh3_64(tokens_i, seed=key_{i-1})`` with ``key_{-1} = root``, ``tokens_i`` the block's token ids
-  as little-endian uint32. Seeding with the parent key chains like hashing ``parent || tokens`` would (every
-  key depends on all the blocks before it) at a third of the cost here: one C call per block, no copy.
+  as little-endian uint32, so every key depends on all the blocks before it.
 - Only full blocks get a key; a partial tail is ignored, as engines cache only full blocks.
 
-xxh3 is stable across processes and platforms (no ``PYTHONHASHSEED``), fast, and not cryptographic: a
-collision (about 1 in 10^6 among 10 million blocks at 64 bits) or a crafted prompt can only misjudge where a
-prefix is cached, never serve wrong data (the KV cache tier keys its chunks with blake3).
-
-Cost: packing the token ids once into an ``array('I')`` (about 8 ns per token here: every Python int is read
-once), then one hash call per block over a slice of one memoryview. Pass an ``array('I')`` to skip the
-packing.
+Keys are stable across processes and platforms and not cryptographic: a collision or a crafted prompt can
+only misjudge where a prefix is cached, never serve wrong data. Token ids are packed once into an
+``array('I')``; pass one to skip the packing. Why this scheme: docs/design/prefix-index.md.
 """
 
 from __future__ import annotations

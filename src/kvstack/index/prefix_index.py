@@ -2,28 +2,18 @@
 
 Fed by KV events (engines' ``BlockStored``/``BlockRemoved``/``AllBlocksCleared`` and the cache tier's
 admit/evict events), read by scorers: ``lookup(keys)`` gives, per location, the consecutive prefix it holds
-from block 0, overall and per tier. One process, no locks: call it from one event loop.
-
-Structures:
-
-- ``_blocks``: block key -> holder-set id, in a ``BlockTable``: LRU at the resolution of a generation (a
-  store or a lookup hit makes a block young; eviction takes the old generation in order; see block_table). A
-  prompt's keys are touched last block first, so a chain is evicted from its tail, never leaving a tail whose
-  prefix is gone.
-- ``_holders``: holder-set id -> ``(gpu, cpu, disk, remote)`` location bitmasks, interned and counted (see
-  holders): all blocks held by the same locations in the same tiers (a whole conversation on one engine) share
-  one, and ``lookup`` skips a block whose id is the previous block's (nothing can change there).
-- Per location: a bit (reused once the location holds nothing; any number of locations), ``members``: key ->
-  the engine hash(es) it was stored with, and ``by_hash``: engine hash -> key. ``members`` makes
-  ``clear_location`` O(that location's entries) and lets an evicted block drop its hash mappings, so the hash
-  maps share the blocks' bound.
+from block 0, overall and per tier (``PrefixMatch``). One process, no locks: call it from one event loop.
 
 One bound: ``max_entries`` (location, block) pairs, whatever their tiers; past it the least recently used
-blocks are evicted with all their entries. Costs: ``lookup`` O(prompt blocks up to the longest match +
-matching locations); ``store``/``remove_*`` O(blocks given); ``clear_location`` O(that location's entries);
-eviction O(1) per block. Every big container holds only ints (dicts of ints, ``array('Q')``), which the
-garbage collector never tracks: millions of blocks add nothing to a full collection. Memory and lookup times
-at 10 million entries: docs/benchmarks.md.
+blocks (LRU by generations, see block_table) are evicted with all their entries. A store or a lookup hit
+makes a block recent (a prompt's blocks last block first), so a chain is evicted from its tail, never leaving
+a tail whose prefix is gone. Engine hashes given to ``store`` map ``BlockRemoved`` back to keys and share the
+blocks' bound.
+
+Costs: ``lookup`` O(prompt blocks up to the longest match + matching locations); ``store``/``remove_*``
+O(blocks given); ``clear_location`` O(that location's entries); eviction O(1) per block. Every per-block
+container holds only ints, which the garbage collector never walks. Structures and reasoning:
+docs/design/prefix-index.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,18 @@
 """OpenAI-shaped errors, matching what vLLM 0.32 returns for each kind of bad request.
 
 Every error is an `OpenAIError` whose `body()` is ``{"error": {"message", "type", "param", "code"}}``
-(vLLM's key order). The `type` string follows vLLM's two conventions, and which one a response uses
-tells a client which layer refused it:
+(vLLM's key order). The `type` string follows vLLM's two conventions, which tell a client which layer
+refused the request:
 
-- errors from vLLM's serving code use class-style names: ``BadRequestError`` (400), ``NotFoundError``
-  (404), ``UnprocessableEntityError`` (422), ``InternalServerError`` (500), ``NotImplementedError``
-  (501), ``ServiceUnavailableError`` (503);
-- errors from the HTTP framework (FastAPI body validation, bad JSON, wrong content type) and vLLM's
-  admission control use the HTTP status phrase: ``Bad Request``, ``Service Unavailable``.
+- vLLM's serving code, and kvstack's router for its own decisions, use class-style names:
+  ``BadRequestError`` (400), ``NotFoundError`` (404), ``UnprocessableEntityError`` (422), ``RateLimitError``
+  (429, router only), ``InternalServerError`` (500), ``NotImplementedError`` (501),
+  ``ServiceUnavailableError`` (503), ``GatewayTimeoutError`` (504, router only);
+- the HTTP framework (body validation, bad JSON, wrong content type) and vLLM's admission control use the
+  HTTP status phrase: ``Bad Request``, ``Service Unavailable``.
 
-Errors vLLM never produces but kvstack's router does (429, 504) use the class-style convention, as
-the router's own decisions belong to its serving layer: ``RateLimitError``, ``GatewayTimeoutError``.
-
-A few framework errors (unknown route, wrong method, undecodable body) are not OpenAI-shaped in
-vLLM at all: they are ``{"detail": "..."}``; `http_detail` builds those.
+A few framework errors (unknown route, wrong method, undecodable body) are not OpenAI-shaped in vLLM at all:
+they are ``{"detail": "..."}``; `http_detail` builds those.
 """
 
 from __future__ import annotations

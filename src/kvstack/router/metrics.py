@@ -1,23 +1,17 @@
 """The router's own Prometheus metrics. All names start with ``kvstack_`` and carry their unit; none reuses
 an engine's ``vllm:`` name, so engine and router series never mix on one dashboard.
 
-With several worker processes (``--workers``) prometheus_client runs in multiprocess mode (the supervisor
-sets ``PROMETHEUS_MULTIPROC_DIR``): /metrics on any worker renders every worker's values, counters and
-histograms summed; each gauge says how it combines (``multiprocess_mode``).
+With several worker processes (``--workers``) /metrics on any worker renders every worker's values, counters
+and histograms summed: prometheus_client runs in multiprocess mode (the supervisor sets
+``PROMETHEUS_MULTIPROC_DIR``) and each gauge says how it combines (``multiprocess_mode``).
 
 The five series every proxied request updates (requests, time to first byte, duration, in-flight, routing
-decisions) are the hot ones. A prometheus_client metric takes a lock and re-checks itself on every update:
-about 12 µs of each proxied request here, ~8% of the router's CPU per request. In one process the event
-loop is their only writer, so `LeanHotSeries` keeps them as plain numbers in dictionaries and builds the
-metric families only when /metrics is read; the names, labels and samples are those prometheus_client would
-render (a test compares the two). With several workers each keeps its own the same way (`WorkerHotSeries`):
-/metrics on any worker has the others write theirs to the group directory and renders the sums.
-
-Every series labelled by engine (circuit state, upstream and scrape errors, missing metric names, KV event
-counts) is kept the same way (`ENGINE_SERIES`): engines come and go, and their series must go with them,
-which prometheus_client cannot do for multiprocess values. A removed engine's series are dropped, and
-updates that arrive for it afterwards (a request or scrape still in flight at the removal) are ignored
-until an engine is added at that URL again.
+decisions) are plain numbers that only the event loop updates (`LeanHotSeries`; per worker `WorkerHotSeries`,
+summed when /metrics is read), rendered with the names, labels and samples prometheus_client would give.
+Every series labelled by engine (`ENGINE_SERIES`: circuit state, upstream and scrape errors, missing metric
+names, KV event counts) is kept the same way so that it goes with its engine: a removed engine's series are
+dropped, and updates that arrive for it afterwards (a request or scrape still in flight at the removal) are
+ignored until an engine is added at that URL again. Why plain numbers: docs/design/router-metrics.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,19 @@
 """Named scheduling configs for ``--routing``, written in the same YAML a user would write.
 
 - round-robin: rotate over the routable engines in URL order, ignoring load.
-- session: a session key (header or body ``user``) pins a conversation to one engine by consistent
-  hashing; its weight (4) exceeds the sum of the load weights (3), so the key decides whenever present and
-  load decides otherwise; saturation-filter moves a session off an overloaded engine to its next one on
-  the ring.
-- least-load: queue + KV-cache utilization + router in-flight, equal weights, highest total wins.
-- power-of-two: the least-load scores, but the picker compares only two engines drawn at random, so a
-  burst scored on one stale scrape spreads instead of piling onto the best-looking engine.
-- default: least-load's signals behind a saturation filter, with the scraped signals weighted 2 and
-  in-flight 1: engines queueing more than 5 requests or above 80% KV usage are skipped while others have
-  room; among the rest, queue and KV usage rank, and in-flight breaks the ties that stale scrapes leave
-  (it changes with every request sent). load-aware-scorer is left out: for choosing the maximum it only
-  repeats the queue signal; it earns its place next to an affinity scorer, as an absolute load brake.
-- kv-aware: the default's load signals and saturation filter, plus precise-prefix-scorer (KV events;
-  routing history for engines without events) weighted 3, no-hit-lru-scorer weighted 1 and
-  least-qps-scorer weighted 1. A prompt wholly cached on an engine outweighs any load difference short
-  of saturation, which the filter handles; a partial hit (a shared system prompt) competes with load; a
-  cold prompt goes to the engine least recently used, so misses spread and fill every cache. least-qps
-  balances where new conversations start: without it, the engines that already hold a shared system
-  prompt keep winning new users over one that does not, until they hold more conversations than their
-  caches fit (measured in docs/benchmarks.md, "KV-aware routing experiment").
+- session: session-affinity-scorer weighted 4, above the load scorers' sum (3), so a session key (header or
+  body ``user``) decides whenever present and load decides otherwise; saturation-filter moves a session off
+  an overloaded engine to its next one on the ring.
+- least-load: queue + kv-cache-utilization + active-requests scorers, equal weights, highest total wins.
+- power-of-two: least-load's scorers with power-of-two-picker, so a burst scored on one stale scrape spreads.
+- default: saturation-filter (queue above 5 or KV usage above 0.8), then queue and KV usage weighted 2 and
+  in-flight (active-requests) 1.
+- kv-aware: saturation-filter, precise-prefix-scorer weighted 3 (KV events; routing history for engines
+  without events), then no-hit-lru, the three load scorers and least-qps (10 s window) weighted 1 each.
 - prefix: kv-aware with approximate-prefix-scorer (the router's own history) instead of KV events, for
   engines that publish none.
+
+Why these weights: docs/design/scheduling.md; kv-aware against other routers: docs/benchmarks/kv-routing.md.
 """
 
 from __future__ import annotations

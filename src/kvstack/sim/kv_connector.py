@@ -1,21 +1,18 @@
 """The simulated engine's KV connector: kvstack's vLLM connector (``kvstack.connector``) emulated over the
 real cache server, so that simulated engines share prompt prefixes through the KV cache tier.
 
-- Keys: the prompt's full chunks keyed by `kvstack.cache.keys.chunk_keys` over a `KVLayout` of the simulated
-  model (`sim_kv_layout`: layers, KV heads, head size and dtype from the model's ``config.json``). The block
-  layout names the simulator, so a simulator's synthetic chunks never reach a real engine sharing the server.
-- Lookup (before the request is scheduled; vLLM asks its connector when it schedules): ``locate`` from the
-  chunk holding the end of the engine's local prefix hit, giving an `ExternalPrefix` (one
-  ``prompt_tokens_cached_by_source`` label per stored chunk: memory -> host, disk -> disk, else
-  external_unspecified, as the real connector labels them). The scheduler loads those tokens
-  (`ExternalPrefix.loadable`) and the latency model charges ``load_per_token`` for each instead of prefill.
-- Save (when the prompt is computed): the prompt's full chunks past the local hit and past what the server
-  already held, with a deterministic synthetic payload of ``bytes_per_token`` bytes per token, put in the
-  background with the chunks' token ids (the server's admit events carry them to routers).
+- Keys: the prompt's full chunks keyed by `kvstack.cache.keys.chunk_keys` over `sim_kv_layout` (the simulated
+  model's layers, KV heads, head size and dtype from its ``config.json``); the layout names the simulator, so
+  its synthetic chunks never reach a real engine sharing the server.
+- Lookup, before the request is scheduled: ``locate`` from the chunk holding the end of the engine's local
+  prefix hit gives an `ExternalPrefix`, labelled per chunk as the real connector labels
+  ``prompt_tokens_cached_by_source``; those tokens are loaded at ``load_per_token`` each instead of prefilled.
+- Save, when the prompt is computed: the full chunks past the local hit and past what the server held, with a
+  deterministic payload of ``bytes_per_token`` bytes per token and the chunks' token ids, in the background.
 
-Faults are misses: `AsyncCacheClient` answers every call within ``timeout_s`` and backs off from a server that
-is down, so an engine whose cache server is gone computes every prompt and keeps serving. At most
-``max_pending_puts`` saves are in flight; more are dropped and counted.
+Faults are misses: every cache call answers within ``timeout_s`` and backs off from a server that is down, so
+the engine computes every prompt and keeps serving. At most ``max_pending_puts`` saves are in flight; more
+are dropped and counted. Design notes: docs/design/simulator.md.
 """
 
 from __future__ import annotations

@@ -1,21 +1,17 @@
 """Continuous batching over the simulated KV cache, shaped like vLLM v1's scheduler.
 
-One ``step()`` schedules a batch and applies its result at once; the caller (``SimEngine``)
-sleeps for the step's modelled duration in between. Policy, as in vLLM with FCFS:
-running requests first (one decode token each, or the next prefill chunk), then waiting ones
-while there is room under ``max_num_seqs`` and ``max_num_batched_tokens``; when blocks run out the
-newest running request is preempted (its blocks freed, back to the head of the waiting queue,
-recomputed later with whatever prefix is still cached).
+One ``step()`` schedules a batch and applies its result at once; the caller (``SimEngine``) sleeps for the
+step's modelled duration in between. Policy, as vLLM's FCFS: running requests first (one decode token each,
+or the next prefill chunk), then waiting ones while there is room under ``max_num_seqs`` and
+``max_num_batched_tokens``; when blocks run out the newest running request is preempted (its blocks freed,
+back to the head of the waiting queue, recomputed later with whatever prefix is still cached).
 
-Counters follow vLLM's accounting: prefix-cache queries and hits are recorded when a request is
-first scheduled (prompt tokens, and hit tokens capped at ``prompt - 1`` and block-aligned);
-preempted re-schedules are not counted.
-
-A KV connector extends the local prefix hit with tokens loaded from outside the engine: the P/D decode
-side's transfer (``remote_prefill``: every prompt token but the last, free of charge), or an external
-cache's chunks found before scheduling (``external_prefix``, see `ExternalPrefix`; charged
-``load_per_token`` each). As in vLLM, a request admitted through a connector records connector queries
-(prompt tokens past the local hit) and hits (tokens loaded).
+Counters follow vLLM's accounting: prefix-cache queries and hits are recorded when a request is first
+scheduled (prompt tokens; hit tokens capped at ``prompt - 1`` and block-aligned), not on re-schedules after
+preemption. A KV connector extends the local hit with tokens loaded from outside the engine: the P/D decode
+side's transfer (``remote_prefill``: every prompt token but the last, free of charge) or an external cache's
+chunks (``external_prefix``, see `ExternalPrefix`; ``load_per_token`` each). Such a request records connector
+queries (prompt tokens past the local hit) and hits (tokens loaded), as in vLLM.
 """
 
 from __future__ import annotations

@@ -1,28 +1,23 @@
 """precise-prefix-scorer: prefer engines that already hold the prompt's prefix in their KV cache.
 
-Formula: with P = prompt tokens and, per engine, c_t = the longest consecutive prompt prefix available at
-tier t or better (gpu, cpu, disk, remote; from the engine's KV events and cache-tier events, see
-``PrefixView``):
+Formula: score = sum_t w_t * (c_t - c_{t-1}) / P (c_{-1} = 0), with P the prompt tokens and c_t the longest
+consecutive prompt prefix the engine has at tier t or better (gpu, cpu, disk, remote; from KV events and
+cache-tier events, see ``PrefixView``): a prompt fully in GPU blocks scores 1, lower tiers count for less.
+An engine without events (``knowledge != "kv-events"``) scores, with ``useApproximate`` on,
+max(approximateWeight * a / P, the formula over what cache servers hold for it), a = the prefix tokens the
+router recently sent there.
 
-    score = sum_t w_t * (c_t - c_{t-1}) / P        (c_{-1} = 0)
+Parameters: every weight is a number in [0, 1].
+  gpuWeight (default 1.0)          tokens in the engine's own blocks
+  cpuWeight (default 0.8)          offloaded blocks / same-node cache memory
+  diskWeight (default 0.5)         local disk tier
+  remoteWeight (default 0.3)       remote tier (Redis, S3)
+  useApproximate (default true)    score event-less engines from routing history
+  approximateWeight (default 0.9)
 
-so a prompt fully in the engine's GPU blocks scores 1, and tokens that must be loaded from a lower tier
-count for less. For an engine that publishes no events (``knowledge != "kv-events"``) and
-``useApproximate`` on, the router's own history stands in: score = max(approximateWeight * a / P, the
-formula above over what cache servers hold for it), with a the prefix tokens the router recently sent
-there.
-
-Parameters:
-  gpuWeight (number in [0, 1], default 1.0)     tokens in the engine's own blocks
-  cpuWeight (default 0.8)                        offloaded blocks / same-node cache memory
-  diskWeight (default 0.5)                       local disk tier
-  remoteWeight (default 0.3)                     remote tier (Redis, S3)
-  useApproximate (bool, default true)            score event-less engines from routing history
-  approximateWeight (number in [0, 1], default 0.9)
-
-Cost: O(candidates); the prefix lookup itself is done by the router before scheduling, once per request.
-When to use: the heart of KV-aware routing (preset ``kv-aware``). Pair it with load scorers and the
-saturation filter: on its own it sends every request sharing a hot prefix to the one engine holding it.
+Cost: O(candidates); the router does the prefix lookup once per request, before scheduling.
+When to use: the heart of KV-aware routing (preset ``kv-aware``), with load scorers and the saturation
+filter: alone it sends every request sharing a hot prefix to the one engine holding it.
 """
 
 from __future__ import annotations

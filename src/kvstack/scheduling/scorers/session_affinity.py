@@ -3,24 +3,17 @@
 Formula: each engine of the pool owns ``virtualNodes`` points on a 64-bit ring, at xxh64("<url>#<i>"). A
 request's session key hashes to xxh64(key); walking the ring clockwise from there, the first point owned
 by a candidate wins: that engine scores 1, every other candidate 0. Without a session key every candidate
-scores 0, leaving the decision to the other scorers.
-
-Because the walk skips engines that are not candidates, the result is exactly a ring over the candidates:
-an engine that becomes unroutable or saturated (filtered out) hands its sessions to their next engine on
-the ring and gets them back when it returns; adding an engine to n takes about 1/(n+1) of the sessions,
-removing one moves only its own sessions.
+scores 0, leaving the decision to the other scorers. An engine filtered out (unroutable, saturated) hands
+its sessions to their next engine on the ring and gets them back when it returns.
 
 Parameters:
-  virtualNodes (integer in [1, 10000], default 160)  points per engine; more points spread sessions more
-                                                     evenly at the cost of a larger ring
+  virtualNodes (integer in [1, 10000], default 160)  points per engine; more spread sessions more evenly
 
-Cost: O(candidates) to collect the candidate URLs plus an O(log(pool * virtualNodes)) bisection and a short
-walk. The ring is built over the whole pool (``CycleState.pool``) and kept until the pool's membership
-changes, which is O(pool * virtualNodes * log) once, not per request; health changes do not rebuild it.
-When to use: multi-turn chat without shared prefix knowledge, where sending a conversation's turns to the
-same engine keeps its KV cache warm. The router takes the key from a session header or the body's
-``user`` (see interfaces.extract_session_key). Give it a weight above the sum of the other scorers' weights
-so it decides whenever a key is present, and let saturation-filter move sessions off overloaded engines.
+Cost: O(candidates) plus an O(log(pool * virtualNodes)) bisection and a short walk; the ring is rebuilt
+only when the pool's membership changes. Why a ring over the pool: docs/design/scheduling.md.
+When to use: multi-turn chat without shared prefix knowledge; the key comes from a session header or the
+body's ``user`` (interfaces.extract_session_key). Weight it above the sum of the other scorers' weights so
+it decides whenever a key is present, and let saturation-filter move sessions off overloaded engines.
 """
 
 from __future__ import annotations

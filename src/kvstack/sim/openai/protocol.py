@@ -1,33 +1,22 @@
 """Parsing and validation of OpenAI request bodies, refusing bad input as vLLM 0.32 does.
 
-vLLM checks a request in stages and the first failing stage answers. kvstack keeps the stages, so
-a request with one fault gets vLLM's status, ``type`` and ``param`` (and the gist of its message):
+vLLM checks a request in stages and the first failing stage answers; kvstack keeps the stages, so a request
+with one fault gets vLLM's status, ``type`` and ``param`` (and the gist of its message):
 
-1. `check_content_type`; the body must decode as JSON (decoded like Python's json) into an object;
-2. vLLM's pre-validators on the raw body: empty prompt, ``stream_options`` without ``stream``,
-   logprobs signs, tool choice, cache salt ... (``BadRequestError``);
-3. field types with pydantic's lax coercions (``"5"`` is an int, ``"yes"`` a bool, ``2.0`` an int):
-   every error is listed and ``param`` is the first one's location, e.g. ``body.max_tokens``
-   (``Bad Request``);
-4. with `ServingLimits`: the model name (404), server flags (chat template, tool parser, mm kwargs),
-   ``max_tokens`` against the context length;
-5. rendering: empty prompt list, chat content parts, empty conversation, template flag conflicts;
-6. sampling ranges: ``n``, penalties, ``temperature``, ``top_p``, ``top_k``, ``min_p``, ``min_tokens``;
-7. after tokenizing, `check_lengths`: prompt longer than the context (``input_tokens``), then the
-   output limit, which vLLM clamps to the room left and refuses only when no room is left;
-8. `check_engine_input`: logprobs limit, ids against the vocabulary, empty prompt. vLLM raises these
-   in the engine: with ``stream`` they arrive as an SSE error event after a 200
-   (`kvstack.openai.sse.encode_error_event`, then ``[DONE]``), otherwise as a 400.
+1. content type, and a body that decodes as a JSON object (`validation`);
+2. vLLM's pre-validators on the raw body, ``BadRequestError`` (`prevalidators`);
+3. field types with pydantic's lax coercions over the endpoint's table (`fields`): ``param`` is the first
+   error's location, e.g. ``body.max_tokens`` (``Bad Request``);
+4. with `ServingLimits`: the model name (404), server flags, ``max_tokens`` against the context (`limits`);
+5. rendering: prompt lists, chat content parts, template flag conflicts (this module);
+6. sampling ranges (`check_sampling`);
+7. after tokenizing, `check_lengths`: prompt against the context, then output (clamped; refused with no room);
+8. `check_engine_input` (logprobs limit, ids against the vocabulary): raised in vLLM's engine, so with
+   ``stream`` an SSE error event after a 200 (`kvstack.openai.sse.encode_error_event`), otherwise a 400.
 
-`parse_*` run stages 1-6. vLLM runs 6 after 7, so only a request with several faults can see another
-error first. One deliberate difference: a non-object ``structured_outputs`` makes vLLM answer 500;
-kvstack answers the 400 its type check implies.
-
-Where each stage lives: `kvstack.sim.openai.validation` (1 and 3: body decoding, pydantic's lax field
-types), `kvstack.sim.openai.prevalidators` (2), `kvstack.sim.openai.fields` (each endpoint's field table),
-`kvstack.sim.openai.limits` (4, 6, 7, 8) and this module (5, and the ``parse_*`` functions that run the
-stages in order). The request Structs are in `kvstack.sim.openai.requests`; every public name of these
-modules that callers use is importable from here.
+`parse_*` run stages 1-6 (vLLM runs 6 after 7: only a request with several faults can tell). A non-object
+``structured_outputs`` gets the 400 its type check implies, where vLLM answers 500. Request Structs are in
+`requests`; every public name callers use is importable from here. Design notes: docs/design/simulator.md.
 """
 
 from __future__ import annotations
