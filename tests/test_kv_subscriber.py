@@ -358,7 +358,6 @@ async def test_restarted_publisher_on_the_same_port_is_resynced(ctx: zmq.asyncio
                 async with asyncio.timeout(TIMEOUT):
                     while not sink.applied or sink.applied[-1] < first:
                         engine.publish(_batch(first + engine.next_seq).events)
-                        engine.flush()
                         await asyncio.sleep(0.05)
             await sink.wait_for(lambda n=restart_no: observer.connected.count(False) > n)
         # The second engine life started from seq 0 again: the subscriber reset before applying it.
