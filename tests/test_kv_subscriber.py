@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from harness import free_port
+from kvstack.backoff import Backoff
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
@@ -22,6 +23,7 @@ from kvstack.kvevents.codec import (
 )
 from kvstack.kvevents.publisher import KVEventPublisher
 from kvstack.kvevents.subscriber import (
+    RESOLVE_BACKOFF,
     EventSource,
     KVEventSubscriber,
     SequenceTracker,
@@ -197,6 +199,43 @@ def test_resolve_sources_replaces_wildcards_and_offsets_ranks() -> None:
 def test_resolve_sources_rejects_other_shapes(answer: object) -> None:
     with pytest.raises(ValueError, match="kv_event_sources"):
         resolve_sources("http://h:1", answer)
+
+
+async def test_sources_are_asked_again_with_the_resolve_backoff(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failures and empty answers wait 0.5 s doubling to 30 s, each within +-20% (the default policy)."""
+    assert Backoff(0.5, 30.0, jitter=(0.8, 1.2)) == RESOLVE_BACKOFF
+    real_sleep = asyncio.sleep
+    waits: list[float] = []
+
+    async def record(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    answers = 0
+
+    async def fetch() -> list[EventSource]:
+        nonlocal answers
+        answers += 1
+        if answers == 9:
+            return [EventSource("tcp://127.0.0.1:1")]
+        if answers % 2:
+            raise OSError("connection refused")
+        return []
+
+    monkeypatch.setattr(asyncio, "sleep", record)
+    sub = KVEventSubscriber("http://engine", RecordingSink(), context=ctx, fetch_sources=fetch)
+    sub.start()
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            while answers < 9:
+                await real_sleep(0.01)
+    finally:
+        await sub.stop()
+    bases = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert len(waits) == len(bases)
+    assert all(0.8 * base <= wait <= 1.2 * base for wait, base in zip(waits, bases, strict=True)), waits
 
 
 def test_sequence_tracker() -> None:
