@@ -1,4 +1,6 @@
-"""The simulated engine's KV-event publisher over real ZMQ sockets, and frame for frame against vLLM's own."""
+"""The one KV-event publisher (the simulated engines' and the cache server's) over real ZMQ sockets: frames,
+seq, replay, both encodings, never waiting, the counters, the cache server's topic and one batch per loop
+turn, and frame for frame against vLLM's own."""
 
 import asyncio
 import os
@@ -10,6 +12,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from kvstack.cache.events import ChunkEvents, block_hash, topic_for
+from kvstack.cache.keys import ChunkKey
+from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     REPLAY_END_SEQ_BYTES,
@@ -64,10 +69,9 @@ async def _replay(dealer: zmq.asyncio.Socket, start_seq: int) -> list[list[bytes
 
 
 async def _wait_until_subscribed(publisher: KVEventPublisher, sub: zmq.asyncio.Socket) -> int:
-    """Flush probe batches until one arrives, since a fresh SUB misses what is sent before it joins."""
+    """Publish probe batches until one arrives, since a fresh SUB misses what is sent before it joins."""
     for _ in range(100):
         publisher.publish([AllBlocksCleared()])
-        publisher.flush()
         try:
             frames = await asyncio.wait_for(sub.recv_multipart(), 0.05)
         except TimeoutError:
@@ -87,8 +91,7 @@ async def test_sub_receives_three_frames_with_increasing_seq(ctx: zmq.asyncio.Co
         last_probe = await _wait_until_subscribed(publisher, sub)
         sent: list[list[KVEvent]] = [[_stored(i), BlockRemoved(block_hashes=[1000 + i])] for i in range(3)]
         for i, events in enumerate(sent):
-            publisher.publish(events, ts=100.0 + i)
-            assert publisher.flush() == last_probe + 1 + i
+            assert publisher.publish(events, ts=100.0 + i) == last_probe + 1 + i
         for i, events in enumerate(sent):
             topic, seq, payload = await _recv(sub)
             assert topic == b"kv"
@@ -97,15 +100,13 @@ async def test_sub_receives_three_frames_with_increasing_seq(ctx: zmq.asyncio.Co
         sub.close()
 
 
-async def test_seq_starts_at_zero_and_empty_flush_sends_nothing(ctx: zmq.asyncio.Context) -> None:
+async def test_seq_starts_at_zero_and_an_empty_publish_sends_nothing(ctx: zmq.asyncio.Context) -> None:
     replay_at = "tcp://127.0.0.1:0"
     async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint=replay_at) as publisher:
-        assert publisher.flush() is None
-        publisher.publish([])
-        assert publisher.flush() is None
-        assert publisher.next_seq == 0
-        publisher.publish([_stored(0)])
-        assert publisher.flush() == 0
+        assert publisher.publish([]) is None
+        assert publisher.publish(iter(())) is None
+        assert publisher.next_seq == 0 and publisher.sent_events == 0
+        assert publisher.publish([_stored(0)]) == 0
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
         replies = await _replay(dealer, 0)
@@ -113,19 +114,21 @@ async def test_seq_starts_at_zero_and_empty_flush_sends_nothing(ctx: zmq.asyncio
         dealer.close()
 
 
-async def test_publish_gathers_events_into_one_batch_stamped_at_flush(ctx: zmq.asyncio.Context) -> None:
+async def test_one_publish_is_one_batch_stamped_by_the_clock(ctx: zmq.asyncio.Context) -> None:
     clock = iter([42.5])
     publisher = KVEventPublisher(
         "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", clock=lambda: next(clock)
     )
     await publisher.start()
-    publisher.publish([_stored(0)])
-    publisher.publish([_stored(2), AllBlocksCleared()])
-    assert publisher.flush() == 0
+    assert publisher.publish(e for e in [_stored(0), _stored(2), AllBlocksCleared()]) == 0
+    assert publisher.sent_events == 3 and publisher.dropped_batches == 0
     assert publisher.replay_endpoint is not None
     dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
-    (_, _, _, payload), _end = await _replay(dealer, 0)
+    (_, topic, _, payload), _end = await _replay(dealer, 0)
+    assert topic == b""
     assert decode_batch(payload) == EventBatch(ts=42.5, events=[_stored(0), _stored(2), AllBlocksCleared()])
+    # Without a data-parallel rank (the cache server's stream) the rank is nil.
+    assert msgspec.msgpack.decode(payload)[2] is None
     dealer.close()
     await publisher.close()
 
@@ -137,7 +140,6 @@ async def test_replay_streams_batches_from_start_then_end_marker(ctx: zmq.asynci
         batches = [EventBatch(ts=float(i), events=[_stored(i)]) for i in range(5)]
         for batch in batches:
             publisher.publish(batch.events, ts=batch.ts)
-            publisher.flush()
         assert publisher.replay_port is not None and publisher.replay_port > 0
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
@@ -157,7 +159,6 @@ async def test_replay_buffer_keeps_only_the_last_buffer_steps_batches(ctx: zmq.a
     ) as publisher:
         for i in range(5):
             publisher.publish([_stored(i)])
-            publisher.flush()
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
         replies = await _replay(dealer, 0)
@@ -168,7 +169,6 @@ async def test_replay_buffer_keeps_only_the_last_buffer_steps_batches(ctx: zmq.a
 async def test_malformed_replay_request_is_ignored_and_service_goes_on(ctx: zmq.asyncio.Context) -> None:
     async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as publisher:
         publisher.publish([_stored(0)])
-        publisher.flush()
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
         await dealer.send_multipart([b"", b"not", b"a request"])
@@ -183,7 +183,6 @@ async def test_legacy_array_option_sends_events_as_arrays(ctx: zmq.asyncio.Conte
         "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", legacy_array=True
     ) as publisher:
         publisher.publish([_stored(0)], ts=1.0)
-        publisher.flush()
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
         (_, _, _, payload), _end = await _replay(dealer, 0)
@@ -193,18 +192,91 @@ async def test_legacy_array_option_sends_events_as_arrays(ctx: zmq.asyncio.Conte
         dealer.close()
 
 
-async def test_flush_never_waits_for_a_stalled_subscriber(ctx: zmq.asyncio.Context) -> None:
-    async with KVEventPublisher("tcp://127.0.0.1:0", hwm=10) as publisher:
+async def test_publish_never_waits_for_a_stalled_subscriber_which_replays_what_it_lost(
+    ctx: zmq.asyncio.Context,
+) -> None:
+    async with KVEventPublisher(
+        "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", hwm=10, buffer_steps=2000
+    ) as publisher:
         stalled = _client(ctx, zmq.SUB, publisher.endpoint)
         stalled.setsockopt(zmq.RCVHWM, 10)
-        await _wait_until_subscribed(publisher, stalled)
+        last_probe = await _wait_until_subscribed(publisher, stalled)
         big = BlockStored(
             block_hashes=[1], parent_block_hash=None, token_ids=list(range(4096)), block_size=4096
         )
-        for _ in range(5000):
-            publisher.publish([big])
-            publisher.flush()  # drops past the high-water mark instead of waiting for the reader
+        for _ in range(2000):
+            publisher.publish([big])  # drops past the high-water mark instead of waiting for the reader
+        # The PUB socket drops for that subscriber alone and tells the sender nothing: every send counts.
+        assert publisher.dropped_batches == 0
+        received = []
+        while await stalled.poll(200):
+            received.append(decode_seq((await stalled.recv_multipart())[1]))
+        assert received and received[-1] < publisher.next_seq - 1
+        missing = next(seq for seq in range(last_probe + 1, publisher.next_seq) if seq not in received)
+        assert publisher.replay_endpoint is not None
+        dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
+        replayed = [decode_seq(frames[2]) for frames in await _replay(dealer, missing)]
+        assert replayed == [*range(missing, publisher.next_seq), REPLAY_END_SEQ]
+        dealer.close()
         stalled.close()
+
+
+async def test_a_send_zmq_refuses_is_counted_and_kept_for_replay(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async with KVEventPublisher("tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0") as publisher:
+        assert publisher.publish([_stored(0), _stored(2)]) == 0
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise zmq.Again()
+
+        monkeypatch.setattr(publisher._pub, "send_multipart", refuse)
+        assert publisher.publish([_stored(4)]) == 1  # refused, not raised: the seq is spent all the same
+        monkeypatch.undo()
+        assert publisher.publish([_stored(6)]) == 2
+        assert (publisher.sent_events, publisher.dropped_batches) == (3, 1)
+        assert publisher.replay_endpoint is not None
+        dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
+        replies = await _replay(dealer, 1)
+        assert [decode_batch(frames[3]).events for frames in replies[:-1]] == [[_stored(4)], [_stored(6)]]
+        dealer.close()
+
+
+async def test_cache_topic_and_one_batch_per_event_loop_turn(ctx: zmq.asyncio.Context) -> None:
+    """The cache server's wiring: `ChunkEvents` hands each loop turn's tier events to ``publish`` at once."""
+    chunk = 2
+    keys = [ChunkKey(bytes([i + 1]) * 32) for i in range(4)]
+    memory, disk = MemoryTier(1 << 20), DiskTier("/nonexistent", 1)
+    async with KVEventPublisher(
+        "tcp://127.0.0.1:0", replay_endpoint="tcp://127.0.0.1:0", topic=topic_for("node-7")
+    ) as publisher:
+        events = ChunkEvents(publisher.publish, chunk_size=chunk)
+        events.remember(keys, None, [[10 * i, 10 * i + 1] for i in range(4)])
+        events.stored(memory, keys[:2])
+        events.stored(memory, keys[2:])  # the chain goes on: one BlockStored
+        events.removed(disk, keys[:1])
+        assert publisher.next_seq == 0  # nothing before the turn ends
+        await asyncio.sleep(0)
+        assert publisher.next_seq == 1
+        events.removed(memory, keys[3:])
+        await asyncio.sleep(0)
+        assert publisher.next_seq == 2 and publisher.sent_events == 3
+        assert publisher.replay_endpoint is not None
+        dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
+        first, second, end = await _replay(dealer, 0)
+        dealer.close()
+    assert [first[1], second[1], end[1]] == [b"kvstack-cache/node-7", b"kvstack-cache/node-7", b""]
+    assert decode_batch(first[3]).events == [
+        BlockStored(
+            block_hashes=[block_hash(k) for k in keys],
+            parent_block_hash=None,
+            token_ids=[0, 1, 10, 11, 20, 21, 30, 31],
+            block_size=chunk,
+            medium="CPU",
+        ),
+        BlockRemoved(block_hashes=[block_hash(keys[0])], medium="DISK"),
+    ]
+    assert decode_batch(second[3]).events == [BlockRemoved(block_hashes=[block_hash(keys[3])], medium="CPU")]
 
 
 async def test_close_cancels_its_task_and_is_idempotent() -> None:
@@ -215,9 +287,17 @@ async def test_close_cancels_its_task_and_is_idempotent() -> None:
     await publisher.close()
     await publisher.close()
     assert asyncio.all_tasks() - before == set()
-    publisher.publish([AllBlocksCleared()])
+    assert publisher.publish([]) is None
     with pytest.raises(RuntimeError, match="not running"):
-        publisher.flush()
+        publisher.publish([AllBlocksCleared()])
+
+
+def test_publishing_before_start_is_refused() -> None:
+    publisher = KVEventPublisher("tcp://127.0.0.1:0")
+    with pytest.raises(RuntimeError, match="not running"):
+        publisher.publish([AllBlocksCleared()])
+    with pytest.raises(RuntimeError, match="not started"):
+        _ = publisher.endpoint
 
 
 async def test_close_leaves_a_given_context_open(ctx: zmq.asyncio.Context) -> None:
@@ -331,7 +411,6 @@ async def test_frames_match_vllm_own_publisher(
         assert publisher.port is None
         for i, batch in enumerate(events):
             publisher.publish(batch, ts=10.0 + i)
-            publisher.flush()
         assert publisher.replay_endpoint is not None
         dealer = _client(ctx, zmq.DEALER, publisher.replay_endpoint)
         from_us = await _replay(dealer, 0)

@@ -356,7 +356,6 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
             async with asyncio.timeout(10):
                 while cache_events.location not in locator.index.locations():
                     cache.publish([cpu, remote])
-                    cache.flush()
                     await asyncio.sleep(0.05)
             view = locator.lookup(tokens, states).view
             # Near engine: CPU chunks then the REMOTE one (cumulative per tier gpu, cpu, disk, remote).

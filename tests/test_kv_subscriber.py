@@ -12,6 +12,7 @@ import zmq
 import zmq.asyncio
 
 from harness import free_port
+from kvstack.backoff import Backoff
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
@@ -22,6 +23,7 @@ from kvstack.kvevents.codec import (
 )
 from kvstack.kvevents.publisher import KVEventPublisher
 from kvstack.kvevents.subscriber import (
+    RESOLVE_BACKOFF,
     EventSource,
     KVEventSubscriber,
     SequenceTracker,
@@ -199,6 +201,43 @@ def test_resolve_sources_rejects_other_shapes(answer: object) -> None:
         resolve_sources("http://h:1", answer)
 
 
+async def test_sources_are_asked_again_with_the_resolve_backoff(
+    ctx: zmq.asyncio.Context, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failures and empty answers wait 0.5 s doubling to 30 s, each within +-20% (the default policy)."""
+    assert Backoff(0.5, 30.0, jitter=(0.8, 1.2)) == RESOLVE_BACKOFF
+    real_sleep = asyncio.sleep
+    waits: list[float] = []
+
+    async def record(delay: float) -> None:
+        waits.append(delay)
+        await real_sleep(0)
+
+    answers = 0
+
+    async def fetch() -> list[EventSource]:
+        nonlocal answers
+        answers += 1
+        if answers == 9:
+            return [EventSource("tcp://127.0.0.1:1")]
+        if answers % 2:
+            raise OSError("connection refused")
+        return []
+
+    monkeypatch.setattr(asyncio, "sleep", record)
+    sub = KVEventSubscriber("http://engine", RecordingSink(), context=ctx, fetch_sources=fetch)
+    sub.start()
+    try:
+        async with asyncio.timeout(TIMEOUT):
+            while answers < 9:
+                await real_sleep(0.01)
+    finally:
+        await sub.stop()
+    bases = [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+    assert len(waits) == len(bases)
+    assert all(0.8 * base <= wait <= 1.2 * base for wait, base in zip(waits, bases, strict=True)), waits
+
+
 def test_sequence_tracker() -> None:
     t = SequenceTracker()
     assert t.classify(7) is SeqVerdict.FIRST
@@ -358,7 +397,6 @@ async def test_restarted_publisher_on_the_same_port_is_resynced(ctx: zmq.asyncio
                 async with asyncio.timeout(TIMEOUT):
                     while not sink.applied or sink.applied[-1] < first:
                         engine.publish(_batch(first + engine.next_seq).events)
-                        engine.flush()
                         await asyncio.sleep(0.05)
             await sink.wait_for(lambda n=restart_no: observer.connected.count(False) > n)
         # The second engine life started from seq 0 again: the subscriber reset before applying it.

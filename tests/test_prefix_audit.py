@@ -10,12 +10,19 @@ import time
 from array import array
 from typing import Any
 
-from kvstack.cache.events import MODEL_EXTRA_KEY, ChunkEvents, block_hash, pack_note, unpack_note
+from kvstack.cache.events import ChunkEvents, block_hash, pack_note, unpack_note
 from kvstack.cache.keys import KVLayout, chunk_keys
 from kvstack.cache.tiers import DiskTier
 from kvstack.engines.prompt_tokens import PromptTokenizer
 from kvstack.engines.state import Endpoint, EngineState
-from kvstack.kvevents.codec import BlockRemoved, BlockStored, EventBatch, decode_batch, encode_batch
+from kvstack.kvevents.codec import (
+    MODEL_EXTRA_KEY,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    decode_batch,
+    encode_batch,
+)
 from kvstack.router.app import RouteRequest
 from kvstack.router.prefix import PrefixLocator
 from kvstack.router.routing import SchedulerPicker

@@ -1,84 +1,48 @@
-"""The cache tier's admit/evict events, in vLLM's KV-event shape, for the router's prefix index.
+"""The cache tier's admit/evict events, in vLLM's KV-event shape, for the routers' prefix indexes.
 
-`ChunkEvents` is the `TierListener` of every tier of the server's store: it turns "chunks entered/left tier
-T" into ``BlockStored`` / ``BlockRemoved`` with ``medium`` ``"CPU"`` (memory tier), ``"DISK"`` (disk tier)
-or ``"REMOTE"`` (any other tier: Redis), and a server ``clear`` into ``AllBlocksCleared``.
+`ChunkEvents` is the `TierListener` of every tier of the server's store: "chunks entered/left tier T"
+becomes ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (memory tier), ``DISK`` (disk tier) or
+``REMOTE`` (any other tier), a ``clear`` becomes ``AllBlocksCleared``. One event-loop turn's events go to
+``publish`` as one batch; consecutive chained chunks stored in one tier become one ``BlockStored``.
 
-- ``block_hashes``: each chunk key's first 8 bytes as a big-endian int; ``parent_block_hash`` the same of
-  the chunk before (None for a prompt's first chunk); ``block_size`` the server's chunk size.
-- ``token_ids`` are what the router keys blocks by, and only a put carries them (``Put.token_ids``, one list
-  per chunk, and ``Put.parent``). `remember` keeps them for the last ``max_remembered`` chunks (4 bytes per
-  token), so a chunk reaching disk or Redis after the put, or promoted back into memory later, can still be
-  announced. A chunk without known tokens, or whose token count is not the chunk size (a partial tail), gets
-  no ``BlockStored``; ``BlockRemoved`` is always sent (a router ignores hashes it never stored).
-- ``extra_keys``: ``("kvstack-model", model)`` for each chunk whose put named its model (``Put.model``, the
-  engine's served model name), so a router credits the chunk only to requests for that model; absent when
-  the put named none. A generic vLLM-event consumer skips blocks with extra keys it does not know, which
-  errs toward no credit.
-- Consecutive chunks stored in the same tier within one event-loop turn become one ``BlockStored`` when each
-  one's parent is the previous one, as vLLM batches a request's blocks.
-- Restarts: the disk tier keeps each chunk's parent key, model and tokens in its file (`annotation`, packed by
-  `pack_note`), and the server announces the chunks it finds there at start (`restored`: ``BlockStored``
-  DISK, parents before children), in the first batches, which later subscribers get by replay. The memory
-  tier starts empty; Redis chunks written before a restart are not announced (their values carry no tokens).
-- Removals Redis makes on its own (TTL expiry, eviction) reach subscribers as ``BlockRemoved`` REMOTE only
-  when the tier next finds such a chunk missing (see ``kvstack.cache.tiers.redis``).
-
-`EventPublisher` sends each loop turn's events as one ``EventBatch`` on a ZMQ PUB socket, in the frames vLLM
-uses (``[topic, seq, payload]``, seq from 0), with topic ``kvstack-cache/<node>``: vLLM's events have no
-node field, so the node that holds the chunks is in the topic. An optional replay ROUTER serves the last
-``buffer_steps`` batches exactly as vLLM's does (request ``[b"", start_seq]``, replies ``[b"", topic, seq,
-payload]``, then seq -1). PUB never waits: past the high-water mark messages are dropped and counted.
+- ``block_hashes``: a chunk key's first 8 bytes, big-endian (`block_hash`); ``block_size``: the chunk size.
+- Only a put carries token ids: `remember` keeps each full chunk's tokens, parent and model (the last
+  ``max_remembered`` chunks). A chunk with no known tokens gets no ``BlockStored``; ``BlockRemoved`` always.
+- ``extra_keys``: ``(MODEL_EXTRA_KEY, model)`` per chunk when the put named its model.
+- Restarts: the disk tier keeps each chunk's note (`annotation`, `pack_note`); `restored` announces the
+  chunks it finds at start, parents before children. Redis chunks from before a restart are not announced.
+- Topic: ``kvstack-cache/<node>`` (`topic_for`), since vLLM's events carry no node.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import struct
 import sys
-import time
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Final
-
-import zmq
-import zmq.asyncio
 
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.tiers.base import Tier
 from kvstack.cache.tiers.disk import DiskTier
 from kvstack.cache.tiers.memory import MemoryTier
-from kvstack.kvevents.codec import (
-    REPLAY_END_SEQ_BYTES,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    EventBatch,
-    KVEvent,
-    encode_batch,
-    encode_seq,
-)
+from kvstack.kvevents.codec import MODEL_EXTRA_KEY, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 
 __all__ = [
     "MEDIUM_DISK",
     "MEDIUM_REMOTE",
     "ChunkEvents",
-    "EventPublisher",
     "block_hash",
     "medium_of",
     "topic_for",
 ]
 
-log = logging.getLogger(__name__)
-
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_DISK: Final = "DISK"
 MEDIUM_REMOTE: Final = "REMOTE"
 TOPIC_PREFIX: Final = "kvstack-cache/"
-MODEL_EXTRA_KEY: Final = "kvstack-model"  # extra_keys tag: the chunk's model follows
 
 
 def block_hash(key: bytes) -> int:
@@ -98,113 +62,12 @@ def topic_for(node: str) -> str:
     return TOPIC_PREFIX + node
 
 
-class EventPublisher:
-    """A bound PUB socket (plus optional replay ROUTER) sending `EventBatch` es; see the module docstring."""
-
-    def __init__(
-        self,
-        endpoint: str,
-        *,
-        node: str,
-        replay_endpoint: str | None = None,
-        buffer_steps: int = 10_000,
-        hwm: int = 100_000,
-        context: zmq.asyncio.Context | None = None,
-        clock: Callable[[], float] = time.time,
-    ) -> None:
-        if buffer_steps < 1:
-            raise ValueError(f"buffer_steps must be >= 1, got {buffer_steps}")
-        self.topic = topic_for(node).encode()
-        self._requested = (endpoint, replay_endpoint)
-        self._hwm = hwm
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._buffer_steps = buffer_steps
-        self._ctx = context
-        self._own_ctx = context is None
-        self._clock = clock
-        self._pub: zmq.Socket[bytes] | None = None
-        self._replay: zmq.asyncio.Socket | None = None
-        self._replay_task: asyncio.Task[None] | None = None
-        self.endpoint: str | None = None
-        self.replay_endpoint: str | None = None
-        self.next_seq = 0
-        self.sent_events = 0
-        self.dropped_batches = 0
-
-    async def start(self) -> None:
-        endpoint, replay_endpoint = self._requested
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        # A plain socket: publishing is synchronous (called from a loop callback) and never waits.
-        pub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, self._hwm)
-        pub.setsockopt(zmq.LINGER, 0)
-        self._pub = pub
-        try:
-            self.endpoint = _bind(pub, endpoint, "cache event PUB")
-            if replay_endpoint is not None:
-                replay = self._ctx.socket(zmq.ROUTER)
-                replay.setsockopt(zmq.SNDHWM, self._buffer_steps + 1)  # a whole replay fits
-                replay.setsockopt(zmq.LINGER, 0)
-                self._replay = replay
-                self.replay_endpoint = _bind(replay, replay_endpoint, "cache event replay")
-                self._replay_task = asyncio.create_task(self._serve_replay(replay), name="cache-event-replay")
-        except BaseException:
-            await self.close()
-            raise
-
-    def publish(self, events: list[KVEvent]) -> None:
-        if self._pub is None or not events:
-            return
-        payload = encode_batch(EventBatch(ts=self._clock(), events=events))
-        seq = self.next_seq
-        self.next_seq += 1
-        self._buffer.append((seq, payload))
-        try:
-            self._pub.send_multipart([self.topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
-        except zmq.Again:
-            self.dropped_batches += 1
-            return
-        self.sent_events += len(events)
-
-    async def close(self) -> None:
-        task, self._replay_task = self._replay_task, None
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for sock in (self._replay, self._pub):
-            if sock is not None:
-                sock.close(linger=0)
-        self._replay = self._pub = None
-        if self._own_ctx and self._ctx is not None:
-            self._ctx.term()
-            self._ctx = None
-
-    async def _serve_replay(self, sock: zmq.asyncio.Socket) -> None:
-        while True:
-            frames = await sock.recv_multipart()
-            if len(frames) != 3:
-                log.warning(
-                    "ignoring cache event replay request of %d frames (send [b'', seq])", len(frames) - 1
-                )
-                continue
-            identity, _, start = frames
-            start_seq = int.from_bytes(start, "big")
-            try:
-                for seq, payload in [item for item in self._buffer if item[0] >= start_seq]:
-                    await sock.send_multipart([identity, b"", self.topic, encode_seq(seq), payload])
-                await sock.send_multipart([identity, b"", b"", REPLAY_END_SEQ_BYTES, b""])
-            except zmq.ZMQError as e:
-                log.warning("cache event replay from seq %d failed: %s", start_seq, e)
-
-
 class ChunkEvents:
     """Tier notifications -> KV events, flushed to ``publish`` once per event-loop turn."""
 
     def __init__(
         self,
-        publish: Callable[[list[KVEvent]], None],
+        publish: Callable[[list[KVEvent]], object],
         *,
         chunk_size: int,
         max_remembered: int = 16_384,
@@ -393,12 +256,3 @@ def unpack_note(note: bytes, chunk_size: int) -> tuple[bytes | None, array[int],
         tokens.byteswap()
     parent = note[1:33]
     return (None if parent == _NO_PARENT else ChunkKey(parent)), tokens, model
-
-
-def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
-    try:
-        sock.bind(endpoint)
-    except zmq.ZMQError as e:
-        raise OSError(f"cannot bind the {what} socket to {endpoint}: {e} (port in use? use port 0)") from e
-    bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-    return bound

@@ -50,7 +50,7 @@ import zmq.asyncio
 from aiohttp import web
 
 import kvstack
-from kvstack.cache.events import ChunkEvents, EventPublisher
+from kvstack.cache.events import ChunkEvents, topic_for
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.metrics import CacheMetrics
 from kvstack.cache.protocol import (
@@ -92,6 +92,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
 from kvstack.cache.store import TieredStore
 from kvstack.cache.tiers.base import Payload
+from kvstack.kvevents.publisher import KVEventPublisher
 
 __all__ = ["CacheServer"]
 
@@ -152,11 +153,11 @@ class CacheServer:
         self._ctx = context
         self._own_ctx = context is None
         self._http = (http_host, http_port)
-        self.publisher: EventPublisher | None = None
+        self.publisher: KVEventPublisher | None = None
         self.events: ChunkEvents | None = None
         if events_endpoint is not None:
-            self.publisher = EventPublisher(
-                events_endpoint, node=self.node, replay_endpoint=events_replay_endpoint
+            self.publisher = KVEventPublisher(
+                events_endpoint, topic=topic_for(self.node), replay_endpoint=events_replay_endpoint
             )
             self.events = ChunkEvents(self.publisher.publish, chunk_size=chunk_size)
         publisher = self.publisher

@@ -1,9 +1,9 @@
 """KV events: vLLM's wire format and the one publisher and subscriber kvstack has.
 
 - `codec`: the msgspec structs of vLLM's KV-event batches (both encodings) and their decoding.
-- `publisher`: a ZMQ PUB publisher with a bounded replay buffer (vLLM's replay protocol), used by the
-  simulated engine and by the cache server.
-- `subscriber`: follows an engine's (or the cache server's) event stream, detects gaps and restarts,
-  resyncs through replay, and feeds an index.
-Imports nothing of kvstack outside this package.
+- `publisher`: a ZMQ PUB publisher with vLLM's bounded replay service, used by the simulated engine and by
+  the cache server.
+- `subscriber`: follows an engine's (or a cache server's) stream, detects gaps and restarts, resyncs
+  through replay, and feeds an index.
+Imports nothing of kvstack outside this package but the leaf `kvstack.backoff` (the subscriber's retries).
 """

@@ -1,20 +1,15 @@
 """vLLM's KV-cache event wire format as typed msgspec Structs, and its codec. No sockets.
 
-A message is three ZMQ frames: ``[topic, seq, payload]``. ``seq`` is 8 bytes big-endian, counting batches
-from 0 per publisher (a restart starts again at 0); replay ends with ``seq = -1`` (signed). ``payload`` is a
-msgpack ``EventBatch``, array-like ``[ts, events, data_parallel_rank]``.
+A message is three ZMQ frames ``[topic, seq, payload]``: ``seq`` 8 bytes big-endian, counting batches from
+0 per publisher (a restart starts again at 0), -1 (signed) ending a replay; ``payload`` a msgpack
+``EventBatch``, array-like ``[ts, events, data_parallel_rank]``. ``encode_batch`` writes events as vLLM
+0.32 does (maps tagged by ``"type"``, optional fields omitted at their default) or, with ``legacy_array``,
+as older vLLM's positional arrays; ``decode_batch`` reads both (vLLM 0.8's shorter arrays too) and skips
+unknown event types.
 
-Events come in two encodings and ``decode_batch`` accepts both:
-
-- vLLM 0.32: a map tagged by ``"type"``: ``{"type": "BlockStored", "block_hashes": [...], ...}``; the
-  optional fields after ``lora_name`` are omitted at their default.
-- older vLLM: a positional array ``["BlockStored", block_hashes, parent_block_hash, token_ids, block_size,
-  lora_id, medium, lora_name, ...]``; vLLM 0.8 stopped after ``lora_id`` and sent ``BlockRemoved`` without
-  ``medium``.
-
-Block hashes are vLLM's own (an int, or bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``). They depend on
-the engine's hash algorithm and seed, so consumers key blocks by ``token_ids`` and keep hashes only to match
-removals.
+Block hashes are the engine's own (int, or bytes); they depend on its hash algorithm and seed, so consumers
+key blocks by ``token_ids`` and keep hashes only to match removals. ``MODEL_EXTRA_KEY`` is kvstack's tag in
+a block's ``extra_keys``: ``(MODEL_EXTRA_KEY, model)`` names the model of a cache server's chunk.
 """
 
 import logging
@@ -27,6 +22,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "MODEL_EXTRA_KEY",
     "REPLAY_END_SEQ",
     "REPLAY_END_SEQ_BYTES",
     "SEQ_BYTES",
@@ -49,6 +45,9 @@ logger = logging.getLogger(__name__)
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
+
+# kvstack's extra_keys tag, not vLLM's: a cache server's ("kvstack-model", model) names its chunk's model.
+MODEL_EXTRA_KEY: Final = "kvstack-model"
 
 REPLAY_END_SEQ: Final = -1
 SEQ_BYTES: Final = 8

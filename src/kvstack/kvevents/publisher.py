@@ -1,13 +1,16 @@
-"""The simulated engine's KV-event stream: vLLM's ZMQ PUB publisher and replay service, in asyncio.
+"""A KV-event stream: vLLM's ZMQ PUB publisher and replay service, in asyncio.
 
-``publish(events)`` adds events to the current batch; ``flush()`` sends it as one message
-``[topic, seq, payload]`` with seq counting from 0, and the simulator calls it once per scheduler step, as
-vLLM publishes once per step. The last ``buffer_steps`` (10000) payloads are kept for replay: a DEALER sends
-``[b"", start_seq]`` (8 bytes big-endian) to the ROUTER at ``replay_endpoint`` and receives
-``[b"", topic, seq, payload]`` for each kept batch with seq >= start_seq, then ``[b"", b"", seq=-1, b""]``.
-Payloads are built by ``kvstack.kvevents.codec``; ``legacy_array`` selects the older array encoding.
+``publish(events)`` sends the events as one batch, ``[topic, seq, payload]`` with seq counting from 0 (the
+simulator publishes once per scheduler step, the cache server once per event-loop turn). The last
+``buffer_steps`` (10000) payloads are kept for replay: a DEALER sends ``[b"", start_seq]`` to the ROUTER at
+``replay_endpoint`` and receives ``[b"", topic, seq, payload]`` for each kept batch with seq >= start_seq,
+then ``[b"", b"", seq=-1, b""]``. Payloads are built by ``kvstack.kvevents.codec``; ``legacy_array``
+selects the older array encoding; ``data_parallel_rank`` (None: omitted) is stamped on every batch.
 
-Nothing here waits on a subscriber: PUB drops messages past its high-water mark ``hwm``, as vLLM's does.
+Publishing never waits. A PUB drops messages for a subscriber past the high-water mark ``hwm`` without
+telling the sender, as vLLM's does; that subscriber sees a seq gap and replays. ``dropped_batches`` counts
+the batches ZMQ refused outright (kept for replay all the same), ``sent_events`` the events sent.
+Imports nothing of kvstack outside ``kvstack.kvevents``.
 """
 
 import asyncio
@@ -28,7 +31,7 @@ __all__ = ["KVEventPublisher"]
 
 logger = logging.getLogger(__name__)
 
-# A long replay yields to the event loop this often, so the simulator keeps stepping while it streams.
+# A long replay yields to the event loop this often, so the publisher's owner keeps running while it streams.
 _REPLAY_YIELD_EVERY = 256
 
 
@@ -62,9 +65,9 @@ class KVEventPublisher:
         self._clock = clock
 
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
-        self._pending: list[KVEvent] = []
-        self._pending_ts: float | None = None
         self._next_seq = 0
+        self.sent_events = 0
+        self.dropped_batches = 0
 
         self._pub: zmq.Socket[bytes] | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -78,8 +81,8 @@ class KVEventPublisher:
         if self._ctx is not None or self._closed:
             raise RuntimeError("KVEventPublisher.start() may be called once, before close()")
         self._ctx = self._given_context if self._given_context is not None else zmq.asyncio.Context()
-        # A plain socket, not an asyncio one: flush() must stay synchronous for the simulator's step loop,
-        # and a PUB send never waits anyway.
+        # A plain socket, not an asyncio one: publish() stays synchronous for its callers (a scheduler step,
+        # a loop callback), and a PUB send never waits anyway.
         pub: zmq.Socket[bytes] = zmq.Socket(self._ctx, zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
         pub.setsockopt(zmq.LINGER, 0)
@@ -125,32 +128,34 @@ class KVEventPublisher:
 
     @property
     def next_seq(self) -> int:
-        """The seq the next flushed batch will carry."""
+        """The seq the next batch will carry."""
         return self._next_seq
 
-    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> None:
-        """Add ``events`` to the current batch; ``ts`` sets the batch time (default: the clock at flush)."""
-        self._pending.extend(events)
-        if ts is not None:
-            self._pending_ts = ts
-
-    def flush(self) -> int | None:
-        """Send the current batch, if it has events; return its seq, or None when nothing was sent."""
-        if not self._pending:
+    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> int | None:
+        """Send ``events`` as one batch stamped ``ts`` (default: the clock now); return its seq, or None
+        when there are no events (nothing is sent)."""
+        batch_events = list(events)
+        if not batch_events:
             return None
         if self._pub is None or self._closed:
             raise RuntimeError(
                 "KVEventPublisher is not running; call await start() first and not after close()"
             )
-        ts = self._pending_ts if self._pending_ts is not None else self._clock()
-        batch = EventBatch(ts=ts, events=self._pending, data_parallel_rank=self._data_parallel_rank)
-        self._pending = []
-        self._pending_ts = None
+        batch = EventBatch(
+            ts=self._clock() if ts is None else ts,
+            events=batch_events,
+            data_parallel_rank=self._data_parallel_rank,
+        )
         payload = encode_batch(batch, legacy_array=self._legacy_array)
         seq = self._next_seq
         self._next_seq += 1
         self._buffer.append((seq, payload))
-        self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        try:
+            self._pub.send_multipart([self._topic, encode_seq(seq), payload], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.dropped_batches += 1
+        else:
+            self.sent_events += len(batch_events)
         return seq
 
     async def close(self) -> None:
@@ -200,7 +205,7 @@ class KVEventPublisher:
                 logger.warning("KV event replay from seq %d failed: %s", start_seq, exc)
 
     async def _send_replay(self, sock: zmq.asyncio.Socket, identity: bytes, start_seq: int) -> None:
-        # Snapshot first: flush() may append (and evict) while this coroutine yields.
+        # Snapshot first: publish() may append (and evict) while this coroutine yields.
         batches = [item for item in self._buffer if item[0] >= start_seq]
         for count, (seq, payload) in enumerate(batches, start=1):
             await sock.send_multipart([identity, b"", self._topic, encode_seq(seq), payload])
@@ -215,8 +220,8 @@ def _bind(sock: zmq.Socket, endpoint: str, what: str) -> str:
         sock.bind(endpoint)
     except zmq.ZMQError as exc:
         raise OSError(
-            f"cannot bind {what} socket to {endpoint}: {exc} (is another engine using it? "
-            "data-parallel ranks need distinct ports; use port 0 to let the OS choose)"
+            f"cannot bind {what} socket to {endpoint}: {exc} (port in use? data-parallel ranks need "
+            "distinct ports; use port 0 to let the OS choose)"
         ) from exc
     bound: str = sock.getsockopt_string(zmq.LAST_ENDPOINT)
     return bound

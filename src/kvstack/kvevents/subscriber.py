@@ -1,39 +1,18 @@
-"""Subscribing to an engine's KV events: one ZMQ SUB per event source, sequence tracking, replay, resync.
+"""Following a publisher's KV events: one ZMQ SUB per event source, sequence tracking, replay, resync.
 
-Where the events come from: a configured endpoint (``--engine URL#kv-events=tcp://host:port``, a pod
-annotation), else the engine's ``GET /kv_event_sources``, whose endpoints bind a wildcard host
-(``tcp://*:5557``) that `resolve_sources` replaces with the engine's own address. With data parallelism
-each rank is its own source.
+Sources: configured, else the engine's ``GET /kv_event_sources`` (`resolve_sources`: wildcard hosts become
+the engine's, each data-parallel rank is a source), asked again with ``resolve_backoff`` until it names one.
+The sink hears, per engine, ``apply(engine, batch)`` for every batch in seq order, each once, and
+``reset(engine, reason)`` when its view can no longer be trusted: a gap replay cannot fill (``gap``), seq
+going back (``restart``), a connection down past ``disconnect_grace`` (``disconnected``), a batch the sink
+rejected. Nothing once ``close``/``stop`` returns.
 
-What is delivered to the sink, per engine (the sink keys its entries by engine URL):
-- ``apply(engine, batch)`` for every batch, in sequence order, each exactly once;
-- ``reset(engine, reason)`` whenever the sink's view of that engine can no longer be trusted: a sequence
-  gap the engine cannot replay (``gap``), a publisher restart (``restart``: seq went back), a connection
-  lost for longer than ``disconnect_grace`` seconds (``disconnected``), a batch the sink rejected. After a
-  reset the view is rebuilt from the events that follow (and a replay when available).
-Once ``close``/``stop`` returns the sink hears nothing more from the subscriber.
-
-Sequence rules (`SequenceTracker`, pure, one per source): PUB/SUB never reorders, so on the SUB socket seq
-only grows within one publisher's life. The next seq is applied. A seq beyond it is a gap: with a replay
-endpoint the missing batches are fetched (vLLM's DEALER/ROUTER protocol) and applied, never past the live
-batch that revealed the gap; if the replay does not cover the gap, the engine's entries are reset. A seq at
-or just below the last one received (within ``duplicate_window``) is a duplicate and skipped; one back to
-0, further back, or after a dropped connection means the publisher restarted. A source's first batch
-replays from seq 0 and resets nothing (the other ranks' entries stay).
-
-ZMQ reconnects by itself with growing intervals (``RECONNECT_IVL`` → ``RECONNECT_IVL_MAX``); a socket
-monitor reports dropped connections. A short drop keeps the source's sequence state, so the next batch
-continues or fills the gap by replay; a drop longer than ``disconnect_grace`` resets the engine (it may be
-dead, or restarting with an empty cache). A restart faster than the grace period that resumes past the old
-seq cannot be told from a blip; vLLM takes far longer to restart. Resolving sources over HTTP is retried
-with exponential backoff. A malformed message, one over ``max_message_bytes`` (dropped by ZMQ, which then
-closes the connection; the subscriber connects again after the grace period) or a batch with more than
-``max_blocks_per_batch`` blocks is counted (decode error) and skipped; an unknown event type is logged once
-per type and counted in ``unknown_events``, a duplicate in ``duplicates``. Nothing a peer sends can stop
-the subscriber.
-
-Parameters (defaults): ``disconnect_grace`` 3.0 s, ``duplicate_window`` 16 batches, ``max_message_bytes``
-4 MiB (SUB and replay sockets), ``max_blocks_per_batch`` 65536, ``replay_timeout`` 5.0 s.
+Sequence rules (`SequenceTracker`, pure, per source): the next seq is applied; one beyond it is a gap,
+filled by replay (vLLM's DEALER/ROUTER protocol) up to the live batch; one at or just below the last
+(within ``duplicate_window``) is a duplicate; back to 0, further back, or after a drop is a restart. A
+source's first batch replays from 0 and resets nothing. ZMQ reconnects by itself; a short drop keeps the
+state. A malformed message, one over ``max_message_bytes`` or over ``max_blocks_per_batch`` blocks is
+counted and skipped, an unknown event type counted; nothing a peer sends stops the subscriber.
 """
 
 from __future__ import annotations
@@ -42,16 +21,16 @@ import asyncio
 import contextlib
 import enum
 import logging
-import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from kvstack.backoff import Backoff
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -63,6 +42,7 @@ from kvstack.kvevents.codec import (
 )
 
 __all__ = [
+    "RESOLVE_BACKOFF",
     "EventSource",
     "KVEventObserver",
     "KVEventSink",
@@ -76,6 +56,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
+# Asking an engine for its event sources again: 0.5 s doubling to 30 s, +-20% so routers do not ask in step.
+RESOLVE_BACKOFF: Final = Backoff(0.5, 30.0, jitter=(0.8, 1.2))
 
 
 @dataclass(frozen=True, slots=True)
@@ -341,7 +323,7 @@ class KVEventSubscriber:
         rcv_hwm: int = 100_000,
         reconnect_ivl_ms: int = 100,
         reconnect_ivl_max_ms: int = 5_000,
-        resolve_backoff: tuple[float, float] = (0.5, 30.0),
+        resolve_backoff: Backoff = RESOLVE_BACKOFF,
         disconnect_grace: float = 3.0,
         duplicate_window: int = 16,
         max_message_bytes: int = 4 << 20,
@@ -402,7 +384,7 @@ class KVEventSubscriber:
 
     async def _resolve(self) -> list[EventSource]:
         assert self._fetch_sources is not None
-        delay, cap = self.resolve_backoff
+        delays = self.resolve_backoff.sequence()
         while True:
             try:
                 sources: list[EventSource] = await self._fetch_sources()
@@ -413,8 +395,7 @@ class KVEventSubscriber:
                     log.info("engine %s: KV events from %s", self.engine, [s.endpoint for s in sources])
                     return sources
                 log.info("engine %s: publishes no KV events (yet); asking again later", self.engine)
-            await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-            delay = min(cap, delay * 2)
+            await asyncio.sleep(delays.next())
 
     async def _follow(self, source: EventSource) -> None:
         sub = self.context.socket(zmq.SUB)

@@ -1,11 +1,10 @@
-"""One KV-event subscriber per engine, started and stopped as engines come and go.
+"""One KV-event subscriber per engine and per cache server, started and stopped as they come and go.
 
-An engine's events come from its configured endpoint (``Endpoint.kv_events_endpoint``: static config or a
-pod annotation) or, when none is configured, from what its ``/kv_event_sources`` says (asked again with
-backoff until it answers; an engine that publishes nothing is asked again at the slowest pace). Once
-sources are known the engine's routing knowledge is "kv-events". Removing an engine closes its subscriber
-at once (nothing it still receives reaches the index) and drops its index entries, so an engine added
-again under the same URL starts clean.
+An engine's events come from its configured endpoint (``Endpoint.kv_events_endpoint``), else from what its
+``/kv_event_sources`` names (asked again with ``resolve_backoff`` until it names a source); once sources are
+known the engine's routing knowledge is "kv-events". Removing an engine closes its subscriber at once and
+drops its index entries, so an engine added again under the same URL starts clean. A cache server's stream
+(`CacheEvents`) is indexed as the location ``cache+<endpoint>`` on its node.
 """
 
 from __future__ import annotations
@@ -18,8 +17,15 @@ from dataclasses import dataclass
 import aiohttp
 import zmq.asyncio
 
+from kvstack.backoff import Backoff
 from kvstack.engines.state import Endpoint, EngineState
-from kvstack.kvevents.subscriber import EventSource, KVEventObserver, KVEventSubscriber, resolve_sources
+from kvstack.kvevents.subscriber import (
+    RESOLVE_BACKOFF,
+    EventSource,
+    KVEventObserver,
+    KVEventSubscriber,
+    resolve_sources,
+)
 from kvstack.router.prefix import PrefixLocator
 
 log = logging.getLogger(__name__)
@@ -63,7 +69,7 @@ class KVEventFeeds:
         *,
         observer: KVEventObserver | None = None,
         sources_timeout: float = 2.0,
-        resolve_backoff: tuple[float, float] = (0.5, 30.0),
+        resolve_backoff: Backoff = RESOLVE_BACKOFF,
     ) -> None:
         self.locator = locator
         self.session = session

@@ -1,43 +1,19 @@
-"""The router's prefix knowledge: the index fed by engines' KV events, its own routing history, and the
-per-request lookup that turns both into the ``PrefixView`` scheduling reads.
+"""The router's prefix knowledge: the index fed by KV events, its own routing history, and the per-request
+lookup that turns both into the ``PrefixView`` scheduling reads.
 
-Event ingestion (``apply``/``reset``, the `KVEventSink` of the subscribers): a ``BlockStored`` is keyed by
-kvstack's chained hash of its token ids, chained from the key the index holds for its parent's engine hash
-(a parent the index does not know, because it was stored before the router listened or was evicted from
-the index, makes the event an orphan: counted and skipped, never guessed). ``BlockRemoved`` goes through
-the engine-hash map. ``AllBlocksCleared`` and every subscriber reset clear the engine. Blocks whose
-``extra_keys`` hold more than their LoRA adapter's name (multimodal inputs, a cache salt, prompt embeddings)
-are skipped: their tokens alone do not identify them.
-
-Namespace: keys are per LoRA adapter and block size, not per model. Events do not name the model, and it
-is not needed: the model filter keeps only engines serving the request's model before scoring, and each
-model's prompts are tokenized with that model's tokenizer. A block stored with ``lora_name`` (vLLM 0.32
-also puts the name in ``extra_keys``) is keyed under that adapter; a lookup is keyed under the request's
-model when some engine's events named it as an adapter, else under the base namespace. The router's
-``/v1/models`` list does not say which names are adapters, so until an engine has published a block for an
-adapter, that adapter's requests are looked up as base-model requests. A request with a ``cache_salt`` gets
-no exact credit (vLLM salts the first block's hash, so no published block can match it); its history keys
-are salted instead.
-
-Layout: an engine's events may carry several block sizes (a partial block cached at a prompt's end, KV-cache
-groups of a hybrid model). Blocks of non-full-attention groups (``kv_cache_spec_kind``) are never indexed;
-of the other (group, block size) pairs, the one that carried the most tokens is the engine's layout (the
-current one keeps ties) and only its blocks and removals are indexed, so one odd event cannot switch it.
-
-History (for engines without events): after each decision the prompt's blocks are recorded for the chosen
-engine in ``history_block_size``-token blocks; bounded per engine with a TTL (``HistoryIndex``).
-
-Cache servers (kvstack's KV cache tier) publish the same events for the chunks they hold, with medium CPU,
-DISK or REMOTE; they are locations too (``add_cache(location, node)``). An engine is credited with a cache's
-chunks in their tier when it runs on the cache's node, and with REMOTE chunks (a tier shared across nodes)
-wherever it runs. An engine's view per tier is then the longer of its own prefix and the credited one:
-both start at the prompt's first token, so the longer one is what it can serve without recomputing.
-A cache's REMOTE chunks are also indexed under a second location (``<location>#remote``), so an engine on
-another node is credited only with a prefix made of chunks it can actually reach. A chunk whose event
-names its model (``extra_keys`` ``("kvstack-model", model)``, see ``kvstack.cache.events``) is keyed under
-that model and credited only to requests for it, on engines that serve it; chunks of a server that names
-no models keep the base namespace and are credited to any engine of the node, as before. A cache's
-chunks are never credited to a LoRA adapter's requests (the connector does not save them).
+- Events (``apply``/``reset``, the subscribers' `KVEventSink`): a ``BlockStored`` is keyed by kvstack's
+  chained hash of its token ids, from its parent's key (an unknown parent makes it an orphan: counted and
+  skipped); ``BlockRemoved`` goes through the engine-hash map; ``AllBlocksCleared`` and a reset clear the
+  location. Blocks whose ``extra_keys`` hold more than their LoRA adapter's name are skipped.
+- Namespaces: per LoRA adapter and block size; a request's model is looked up as an adapter once an
+  engine's events named it so. A request with a ``cache_salt`` gets no exact credit (history is salted).
+- Layout: per location, only the full-attention (group, block size) that carried the most tokens is indexed.
+- History, for engines without events: each decision's prompt in ``history_block_size``-token blocks for
+  the chosen engine, bounded per engine with a TTL (``HistoryIndex``).
+- Cache servers (``add_cache(location, node)``): CPU/DISK chunks are credited to engines on the cache's
+  node, REMOTE ones (also indexed under ``<location>#remote``) to any engine; an engine's view per tier is
+  the longer of its own prefix and the credited one. A chunk tagged ``(MODEL_EXTRA_KEY, model)`` is credited
+  only to that model's requests; no cache chunk is credited to a LoRA adapter's requests.
 """
 
 from __future__ import annotations
@@ -50,12 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
-from kvstack.cache.events import MODEL_EXTRA_KEY
 from kvstack.engines.state import EngineState
 from kvstack.index.history import HistoryIndex
 from kvstack.index.keys import BlockKeyer
 from kvstack.index.prefix_index import PrefixIndex, Tier
-from kvstack.kvevents.codec import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvstack.kvevents.codec import MODEL_EXTRA_KEY, AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kvstack.scheduling.interfaces import PrefixView
 
 log = logging.getLogger(__name__)

@@ -35,9 +35,7 @@ MAX_LAG_S = 0.1
 class EventSink(Protocol):
     """Where a step's KV events go: the ZMQ publisher, one batch per step."""
 
-    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> None: ...
-
-    def flush(self) -> int | None: ...
+    def publish(self, events: Iterable[KVEvent], *, ts: float | None = None) -> int | None: ...
 
 
 class KVConnector(Protocol):
@@ -278,4 +276,3 @@ class SimEngine:
         events = self.kv.take_events()
         if events:
             self.events.publish(events)
-            self.events.flush()
