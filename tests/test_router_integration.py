@@ -30,7 +30,8 @@ from prometheus_client.parser import text_string_to_metric_families
 import harness
 from fake_k8s import FakeKubeApi, make_pod
 from harness import EngineProcess, start_sim
-from kvstack.engines.discovery import Backoff, KubernetesDiscovery
+from kvstack.backoff import Backoff
+from kvstack.engines.discovery import KubernetesDiscovery
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.openai.sse import SSEParser
