@@ -47,6 +47,7 @@ from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.workers import WorkerGroup
+from kvstack.scheduling.interfaces import SESSION_HEADERS, extract_session_key
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,6 @@ PROXIED_PATHS = (
     "/tokenize",
     "/detokenize",
 )
-SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
@@ -105,6 +105,7 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     models_refresh_s: float = 30.0
     models_timeout_s: float = 2.0
+    session_headers: tuple[str, ...] = SESSION_HEADERS  # tried in order, before the body's fields
 
 
 class RouterApp:
@@ -469,9 +470,7 @@ class RouterApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise errors.bad_request("stream must be a boolean", "stream")
-        session = request.headers.get(SESSION_HEADER)
-        if session is None and isinstance(body.get("user"), str):
-            session = body["user"]
+        session = extract_session_key(request.headers, body, self.config.session_headers)
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
     async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
