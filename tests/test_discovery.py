@@ -15,8 +15,8 @@ import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
 
 from fake_k8s import FakeKubeApi, make_pod, selector_matches
+from kvstack.backoff import Backoff
 from kvstack.engines.discovery import (
-    Backoff,
     Discovery,
     DiscoveryConfigError,
     DiscoveryUpdate,

@@ -27,6 +27,8 @@ def test_bad_arguments_exit_2_with_the_reason() -> None:
     assert bad_preset.returncode == 2 and "preset" in bad_preset.stderr
     bad_role = _cli("--engine", "http://127.0.0.1:9#role=decoder")
     assert bad_role.returncode == 2 and "decoder" in bad_role.stderr
+    bad_header = _cli("--engine", "http://127.0.0.1:9", "--session-header", "x user")
+    assert bad_header.returncode == 2 and "'x user' is not an HTTP header name" in bad_header.stderr
     for flag in ("--scrape-interval", "--scrape-timeout"):
         bad_scrape = _cli("--engine", "http://127.0.0.1:9", flag, "0")
         assert bad_scrape.returncode == 2 and "must be positive" in bad_scrape.stderr

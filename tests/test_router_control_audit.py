@@ -20,8 +20,8 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 from fake_k8s import FakeKubeApi, make_pod
 from kvstack import cli
+from kvstack.backoff import Backoff
 from kvstack.engines.discovery import (
-    Backoff,
     DiscoveryConfigError,
     DiscoveryUpdate,
     FileDiscovery,

@@ -8,6 +8,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 import pytest
+from multidict import CIMultiDict
 
 from kvstack.engines.state import CircuitState, Endpoint, EngineState, LoadSignals, MetricsReading
 from kvstack.scheduling import (
@@ -152,6 +153,19 @@ def test_extract_session_key() -> None:
     assert extract_session_key({"x-session-id": ""}, {"user": True}) is None
     assert extract_session_key({}, {"user": ["a"]}) is None
     assert extract_session_key({"x-conv": "c"}, {}, header_names=("x-conv",), body_fields=()) == "c"
+
+
+def test_session_headers_are_tried_in_the_order_given_then_the_body() -> None:
+    headers = CIMultiDict({"X-User-Id": "alice", "X-Session-Id": "s1"})  # as the router's server gives them
+    names = ("x-user-id", "x-session-id")
+    assert extract_session_key(headers, {"user": "u"}, names) == "alice"
+    assert extract_session_key(headers, {"user": "u"}, names[::-1]) == "s1"
+    assert extract_session_key(CIMultiDict({"x-user-id": ""}), {"user": "u"}, names) == "u"  # empty: skipped
+    assert extract_session_key(CIMultiDict(), {"user": "u"}, names) == "u"
+    assert extract_session_key(CIMultiDict(), {}, names) is None
+    # Headers not named are not keys: the default names x-session-id only.
+    assert extract_session_key(CIMultiDict({"x-user-id": "alice"}), {"user": "u"}) == "u"
+    assert extract_session_key(CIMultiDict({"x-user-id": "alice"}), {}) is None
 
 
 # --- filters --------------------------------------------------------------------------------------------

@@ -47,6 +47,13 @@ def _positive(text: str) -> float:
     return value
 
 
+def _header_name(text: str) -> str:
+    """An argparse type: an HTTP header name (an RFC 9110 token), lower-cased."""
+    if not text or not all(c.isascii() and (c.isalnum() or c in "!#$%&'*+-.^_`|~") for c in text):
+        raise argparse.ArgumentTypeError(f"{text!r} is not an HTTP header name")
+    return text.lower()
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "router", help="run the OpenAI-compatible router", description="Run the kvstack router."
@@ -97,6 +104,16 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="auto",
         help="auto (kv-aware while some engine publishes KV events, else default), a preset (default, "
         "kv-aware, prefix, round-robin, session, least-load, power-of-two) or a YAML config file",
+    )
+    g.add_argument(
+        "--session-header",
+        action="append",
+        default=[],
+        type=_header_name,
+        metavar="NAME",
+        help="request header holding a session key (repeat for several, tried in the order given; "
+        "default x-session-id); without one, the body's user (or session_id) is the key; production-stack "
+        "clients send x-user-id",
     )
     g.add_argument(
         "--tokenizer",
@@ -170,6 +187,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
     from kvstack.router.proxy import RetryPolicy, Timeouts
     from kvstack.router.server import RouterOptions, serve_forever
     from kvstack.scheduling import ConfigError
+    from kvstack.scheduling.interfaces import SESSION_HEADERS
     from kvstack.scheduling.presets import load_routing
 
     try:
@@ -207,6 +225,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             timeouts=Timeouts(
                 args.timeout_connect, args.timeout_first_byte, args.timeout_idle, args.timeout_total
             ),
+            session_headers=tuple(args.session_header) or SESSION_HEADERS,
         ),
         retry=RetryPolicy(max_attempts=args.max_attempts),
         circuit=CircuitConfig(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import logging
 import secrets
@@ -36,9 +37,8 @@ from typing import Any, Protocol
 import aiohttp
 import msgspec
 
-from kvstack.engines.catalog import CATALOGS
-from kvstack.engines.state import Endpoint, EngineRole, EngineState
-from kvstack.http.client import Origin
+from kvstack.engines.specs import EngineSpecError, build_endpoint
+from kvstack.engines.state import Endpoint, EngineState
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -47,6 +47,7 @@ from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.registry import EngineRegistry
 from kvstack.router.workers import WorkerGroup
+from kvstack.scheduling.interfaces import SESSION_HEADERS, extract_session_key
 
 log = logging.getLogger(__name__)
 
@@ -63,9 +64,8 @@ PROXIED_PATHS = (
     "/tokenize",
     "/detokenize",
 )
-SESSION_HEADER = "x-session-id"
 WORKER_HEADER = "x-kvstack-worker"
-ENGINE_TYPES = frozenset(c.engine_type for c in CATALOGS)
+KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
 
 
@@ -105,6 +105,7 @@ class RouterConfig:
     timeouts: Timeouts = field(default_factory=Timeouts)
     models_refresh_s: float = 30.0
     models_timeout_s: float = 2.0
+    session_headers: tuple[str, ...] = SESSION_HEADERS  # tried in order, before the body's fields
 
 
 class RouterApp:
@@ -469,9 +470,7 @@ class RouterApp:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise errors.bad_request("stream must be a boolean", "stream")
-        session = request.headers.get(SESSION_HEADER)
-        if session is None and isinstance(body.get("user"), str):
-            session = body["user"]
+        session = extract_session_key(request.headers, body, self.config.session_headers)
         return RouteRequest(request.path, model, stream, session, request_id, body)
 
     async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
@@ -488,42 +487,35 @@ def _error(err: OpenAIError, headers: Sequence[tuple[str, str]] = ()) -> Respons
 
 
 def _endpoint_of(body: dict[str, Any]) -> Endpoint:
-    """The engine an admin "add" body describes; 400 naming the bad field."""
-    url = body.get("url")
-    if not isinstance(url, str):
-        raise errors.bad_request("body needs 'url': an http(s) base URL of an engine", "url")
+    """The engine an admin "add" body describes (the fields of kvstack.engines.specs); 400 naming the bad one.
+
+    ``kv_events_endpoint`` is the deprecated name of ``kv_events``, still accepted."""
+    kv_key = "kv_events"
+    if KV_EVENTS_ALIAS in body:
+        if kv_key in body:
+            message = f"give {kv_key} only; {KV_EVENTS_ALIAS} is its old name"
+            raise errors.bad_request(message, KV_EVENTS_ALIAS)
+        kv_key = KV_EVENTS_ALIAS
+        _warn_kv_events_alias()
     try:
-        Origin.parse(url)
-    except ValueError as exc:
-        raise errors.bad_request(str(exc), "url") from None
-    try:
-        role = EngineRole(body.get("role", "both"))
-    except ValueError:
-        raise errors.bad_request(f"role must be one of {[r.value for r in EngineRole]}", "role") from None
-    models = body.get("models") or []
-    if not isinstance(models, list) or not all(isinstance(m, str) for m in models):
-        raise errors.bad_request("models must be a list of strings", "models")
-    engine_type = body.get("type", "vllm")
-    if not isinstance(engine_type, str) or engine_type.strip().lower() not in ENGINE_TYPES:
-        raise errors.bad_request(f"type must be one of {sorted(ENGINE_TYPES)}", "type")
-    node = body.get("node")
-    if node is not None and (not isinstance(node, str) or not node):
-        raise errors.bad_request("node must be a non-empty string", "node")
-    kv_events = body.get("kv_events_endpoint")
-    if kv_events is not None and (
-        not isinstance(kv_events, str) or not kv_events.startswith(("tcp://", "ipc://"))
-    ):
-        raise errors.bad_request(
-            "kv_events_endpoint must be a ZMQ endpoint, tcp://host:port or ipc://path", "kv_events_endpoint"
+        return build_endpoint(
+            "POST /admin/engines",
+            body.get("url"),
+            engine_type=body.get("type"),
+            role=body.get("role"),
+            models=body.get("models"),
+            node=body.get("node"),
+            kv_events=body.get(kv_key),
+            labels=body.get("labels"),
         )
-    return Endpoint(
-        url=url.rstrip("/"),
-        engine_type=engine_type.strip().lower(),
-        role=role,
-        models=frozenset(models),
-        node=node,
-        kv_events_endpoint=kv_events,
-    )
+    except EngineSpecError as exc:
+        raise errors.bad_request(str(exc), kv_key if exc.field == "kv_events" else exc.field) from None
+
+
+@functools.cache
+def _warn_kv_events_alias() -> None:
+    """Once per process: clients that still send the old name should learn the new one."""
+    log.warning("POST /admin/engines: %s is deprecated; send kv_events instead", KV_EVENTS_ALIAS)
 
 
 def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:
