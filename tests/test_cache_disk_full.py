@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 from blake3 import blake3
 
-from kvstack.cache import ChunkKey, protocol
+from kvstack import logs
+from kvstack.cache import ChunkKey
 from kvstack.cache.tiers import DiskTier
 from kvstack.cache.tiers import disk as disk_module
 from kvstack.cache.tiers.record import HEADER_BYTES, payload_length, payload_of
@@ -89,7 +90,7 @@ class FakeClock:
         self.now = 1000.0
         clock = SimpleNamespace(monotonic=lambda: self.now)
         monkeypatch.setattr(disk_module, "time", clock)
-        monkeypatch.setattr(protocol, "time", clock)
+        monkeypatch.setattr(logs, "time", clock)
 
 
 class Listener:

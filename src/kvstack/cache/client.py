@@ -89,7 +89,6 @@ from kvstack.cache.protocol import (
     Reply,
     Stats,
     StatsReply,
-    ThrottledLog,
     UnixFramer,
     decode_reply,
     encode,
@@ -101,6 +100,7 @@ from kvstack.cache.protocol import (
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ClientArena
 from kvstack.cache.tiers.base import Payload, byte_view
+from kvstack.logs import ThrottledLog
 
 __all__ = ["AsyncCacheClient", "CacheClient", "Chunks", "ClientStats", "Reservation"]
 

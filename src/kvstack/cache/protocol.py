@@ -52,9 +52,7 @@ import enum
 import functools
 import hashlib
 import hmac
-import logging
 import struct
-import time
 from collections.abc import Sequence
 from typing import Any, Final
 
@@ -89,7 +87,6 @@ __all__ = [
     "Request",
     "Stats",
     "StatsReply",
-    "ThrottledLog",
     "UnixFramer",
     "decode_reply",
     "decode_request",
@@ -438,24 +435,3 @@ class UnixFramer:
             frames.append(body[offset : offset + length])
             offset += length
         return frames
-
-
-class ThrottledLog:
-    """Logs a warning at most once per ``interval_s``, with how many were suppressed since the last one."""
-
-    def __init__(self, logger: logging.Logger, interval_s: float = 10.0) -> None:
-        self._log = logger
-        self._interval = interval_s
-        self._next = 0.0
-        self._suppressed = 0
-
-    def warning(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._suppressed += 1
-            return
-        self._next = now + self._interval
-        if self._suppressed:
-            msg += f" (and {self._suppressed} similar since the last report)"
-            self._suppressed = 0
-        self._log.warning(msg, *args)

@@ -78,7 +78,6 @@ from kvstack.cache.protocol import (
     Request,
     Stats,
     StatsReply,
-    ThrottledLog,
     UnixFramer,
     decode_request,
     encode,
@@ -92,6 +91,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
 from kvstack.cache.store import TieredStore
 from kvstack.cache.tiers.base import Payload
+from kvstack.logs import ThrottledLog
 
 __all__ = ["CacheServer"]
 

@@ -67,13 +67,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.protocol import ThrottledLog
 from kvstack.connector.config import ConnectorConfig, parse_config
 from kvstack.connector.layout import AttentionShape, block_layout_name, detect_layout, kv_layout
 from kvstack.connector.plan import RequestSave, StepPlan
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
 from kvstack.connector.saves import SaveQueue
 from kvstack.connector.worker import BlockMover, Payloads
+from kvstack.logs import ThrottledLog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -98,7 +98,6 @@ from typing import Any, Literal, TypeVar, cast
 import xxhash
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.protocol import ThrottledLog
 from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
 from kvstack.cache.tiers.pagecache import PageCache
 from kvstack.cache.tiers.record import (
@@ -109,6 +108,7 @@ from kvstack.cache.tiers.record import (
     payload_length,
     verify_record,
 )
+from kvstack.logs import ThrottledLog
 
 __all__ = ["DiskTier", "FsyncPolicy"]
 
