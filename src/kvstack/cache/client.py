@@ -66,6 +66,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from kvstack.cache.payload import Payload, byte_view
 from kvstack.cache.protocol import (
     IN_FRAME,
     UNIX_SCHEME,
@@ -99,7 +100,6 @@ from kvstack.cache.protocol import (
     unix_head,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ClientArena
-from kvstack.cache.tiers.base import Payload, byte_view
 from kvstack.logs import ThrottledLog
 
 __all__ = ["AsyncCacheClient", "CacheClient", "Chunks", "ClientStats", "Reservation"]

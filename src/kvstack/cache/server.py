@@ -53,6 +53,7 @@ import kvstack
 from kvstack.cache.events import ChunkEvents, EventPublisher
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.metrics import CacheMetrics
+from kvstack.cache.payload import Payload
 from kvstack.cache.protocol import (
     IN_FRAME,
     MAC_BYTES,
@@ -90,7 +91,6 @@ from kvstack.cache.protocol import (
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
 from kvstack.cache.store import TieredStore
-from kvstack.cache.tiers.base import Payload
 from kvstack.logs import ThrottledLog
 
 __all__ = ["CacheServer"]

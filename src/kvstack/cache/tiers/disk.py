@@ -98,7 +98,8 @@ from typing import Any, Literal, TypeVar, cast
 import xxhash
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Tier, TierStats, held_prefix
 from kvstack.cache.tiers.pagecache import PageCache
 from kvstack.cache.tiers.record import (
     HEADER_BYTES,

@@ -50,7 +50,8 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Announcements, Reconnector, Tier, TierStats
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command
