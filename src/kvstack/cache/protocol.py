@@ -39,8 +39,7 @@ Operations (request -> reply):
 Same-host clients may use a unix socket instead (``unix:///path``; the server listens there with
 ``unix_path``): the same messages, each written as a head (``b"KVS1"``, the frame count and each frame's
 length, little-endian uint32) followed by its frames back to back (`unix_head`, `UnixFramer`). It saves the
-two ZMQ I/O threads a round trip crosses: a 4 KiB echo took p50 41-51 / p99 79-117 µs on a unix socket
-against 102-113 / 167-449 µs through ZMQ here (2 vCPUs, uvloop server, blocking client).
+two ZMQ I/O threads a round trip crosses.
 
 Versioning: fields a reader does not know are ignored and new optional fields get defaults, so ``v`` only
 changes for an incompatible change; a server answers any other version with error ``version``.

@@ -1,4 +1,4 @@
-"""The contract every KV cache tier implements (memory, local disk, Redis), and its counters.
+"""The contract every KV cache tier implements (memory, local disk, Redis, S3), and its counters.
 
 A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every tier keeps:
 
