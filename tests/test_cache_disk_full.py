@@ -19,7 +19,8 @@ from types import SimpleNamespace
 import pytest
 from blake3 import blake3
 
-from kvstack.cache import ChunkKey, protocol
+from kvstack import logs
+from kvstack.cache import ChunkKey
 from kvstack.cache.tiers import DiskTier
 from kvstack.cache.tiers import disk as disk_module
 from kvstack.cache.tiers.record import HEADER_BYTES, payload_length, payload_of
@@ -58,7 +59,7 @@ class SmallFileSystem:
         self.size = size
         self.refused = 0
         self._lock = threading.Lock()  # a check and its write are one step, as in a real file system
-        write_record = disk_module._write_record
+        write_record = disk_module.write_record
 
         def write_or_fill(fd: int, k: ChunkKey, data: memoryview, tail: list[memoryview]) -> None:
             with self._lock:
@@ -69,7 +70,7 @@ class SmallFileSystem:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
                 write_record(fd, k, data, tail)
 
-        monkeypatch.setattr(disk_module, "_write_record", write_or_fill)
+        monkeypatch.setattr(disk_module, "write_record", write_or_fill)
         monkeypatch.setattr(disk_module, "_free_bytes", lambda path: max(0, self.size - self.used()))
 
     def used(self) -> int:
@@ -89,7 +90,7 @@ class FakeClock:
         self.now = 1000.0
         clock = SimpleNamespace(monotonic=lambda: self.now)
         monkeypatch.setattr(disk_module, "time", clock)
-        monkeypatch.setattr(protocol, "time", clock)
+        monkeypatch.setattr(logs, "time", clock)
 
 
 class Listener:
@@ -261,7 +262,7 @@ async def test_repeated_write_failures_log_one_warning_per_kind_and_count_the_re
         code = next(code for code, ids in failing.items() if k in {key(i) for i in ids})
         raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(disk_module, "_write_record", refuse)
+    monkeypatch.setattr(disk_module, "write_record", refuse)
     monkeypatch.setattr(disk_module, "_free_bytes", lambda path: 1 << 30)
     tier = DiskTier(tmp_path, 1 << 20)
     await tier.start()

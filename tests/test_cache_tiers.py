@@ -510,7 +510,7 @@ async def test_disk_flipped_bytes_are_a_miss_deleted_and_counted(disk: DiskTier)
 async def test_disk_large_chunks_written_in_pieces_verify_and_catch_flips(tmp_path: Path) -> None:
     import xxhash
 
-    from kvstack.cache.tiers.disk import _WRITE_PIECE
+    from kvstack.cache.tiers.chunkfile import WRITE_PIECE as _WRITE_PIECE
 
     tier = DiskTier(tmp_path, 64 << 20)
     await tier.start()

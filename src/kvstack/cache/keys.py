@@ -27,9 +27,9 @@ Token ids may come in any form that holds integers: a list or other sequence of 
 vLLM hold them), or any one-dimensional buffer of integers (``array('I')``, a numpy array of any integer
 dtype, a ``memoryview``; ``bytes`` count as a buffer of uint8 ids, as they do as a sequence). Keys depend on
 the integer values only, never on the form. A buffer of native uint32 on a little-endian host is hashed in
-place; packing a Python list costs about as much as hashing it (~9 ns an id here), so a caller that computes
-keys of the same ids more than once (several layouts, e.g. one per tensor-parallel rank) packs them once
-with `pack_token_ids` and passes the result.
+place; packing a Python list costs about as much as hashing it, so a caller that computes keys of the same
+ids more than once (several layouts, e.g. one per tensor-parallel rank) packs them once with
+`pack_token_ids` and passes the result.
 """
 
 from __future__ import annotations

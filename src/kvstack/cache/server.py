@@ -1,32 +1,24 @@
-"""The cache server: a `TieredStore` behind a ZMQ ROUTER socket (protocol: ``kvstack.cache.protocol``).
+"""The cache server: a `TieredStore` behind a ZMQ ROUTER socket and, optionally, a unix socket; the
+requests are answered by `CacheService` (``kvstack.cache.service``; protocol: ``kvstack.cache.protocol``).
 
 - Binds ``tcp://127.0.0.1:5560`` by default (any ZMQ endpoint works, e.g. ``ipc:///run/kvstack/cache``);
   port 0 lets the OS choose (``endpoint`` tells the bound one).
-- Requests that need no I/O (hello, stats, put, and a lookup every tier it asks answers from process memory)
-  are answered at once, in the callback that read them: no task, no await. Every other request is handled
-  in its own task, at most ``max_concurrency`` at a time (then the socket is not read, and ZMQ queues up to
-  its high-water mark), so a slow disk read does not hold up memory hits. The socket is a plain ZMQ socket
-  whose file descriptor the event loop watches (``add_reader``); replies are sent without waiting (a ROUTER
-  never blocks: past a peer's high-water mark ZMQ drops the reply and the client times out).
+- Requests that need no I/O are answered in the callback that read them: no task, no await. Every other
+  request is handled in its own task, at most ``max_concurrency`` at a time (then the sockets are not read,
+  and ZMQ queues up to its high-water mark), so a slow disk read does not hold up memory hits. Replies are
+  sent without waiting (past a peer's high-water mark ZMQ drops the reply and the client times out).
 - Nothing a peer sends can stop it: a message that is malformed, too large (``max_message_bytes`` for the
-  sum of its frames, ``max_keys`` keys), of another version, of an unknown op, with a wrong or missing mac
-  (when ``secret`` is set), or that makes a handler fail gets an error reply (counted in
-  ``kvstack_cache_protocol_errors_total{code}``); a single frame over ``max_message_bytes`` makes ZMQ drop
-  the connection (the peer sees a timeout).
+  sum of its frames), of another version or op, with a wrong or missing mac, or that makes a handler fail
+  gets an error reply; a single frame over ``max_message_bytes`` makes ZMQ drop the connection.
 - ``unix_path`` (``kvstack cache-server --unix-socket PATH``): also serve same-host clients on a unix socket
-  (``unix://PATH``; framing in ``kvstack.cache.protocol``), with the same limits, errors and secret. Each
-  connection is read until ``max_concurrency`` tasks run (then paused, like the ZMQ socket); a framing
-  error gets an error reply and closes that connection; a client that lets more than two messages' worth
-  of replies pile up unread is dropped. A socket file left by a killed server is replaced; one another
-  server answers on, or a file that is not a socket, is refused; ``stop`` removes the file if it is still
-  this server's.
-- Payloads through the client's shared-memory arena where it offered one (``kvstack.cache.shm``), through
-  frames otherwise; a get reply carries at most ``max_message_bytes`` in frames (``more`` says to ask again).
+  (``unix://PATH``), with the same limits, errors and secret. A framing error gets an error reply and closes
+  that connection; a client that lets more than two messages' worth of replies pile up unread is dropped.
+  A socket file left by a killed server is replaced; one another server answers on, or a file that is not
+  a socket, is refused; ``stop`` removes the file if it is still this server's.
 - ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
   ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays. At start, the chunks the disk tier
-  kept are announced (``BlockStored`` DISK, from the tokens kept in their files) while requests are served.
-- ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``
-  (127.0.0.1).
+  kept are announced (``BlockStored`` DISK) while requests are served.
+- ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``.
 
 The server does not own the store: start the store before the server and stop it after.
 """
@@ -35,69 +27,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
-import hmac
 import logging
 import os
 import socket
 import stat
 import time
-from collections.abc import Sequence
-from typing import Any, Protocol, cast
+from typing import Protocol, cast
 
 import zmq
 import zmq.asyncio
 from aiohttp import web
 
-import kvstack
 from kvstack.cache.events import ChunkEvents, topic_for
-from kvstack.cache.keys import KEY_BYTES, ChunkKey
 from kvstack.cache.metrics import CacheMetrics
 from kvstack.cache.protocol import (
-    IN_FRAME,
-    MAC_BYTES,
     UNIX_SCHEME,
-    Clear,
-    ClearReply,
     ErrorCode,
     ErrorReply,
-    Evict,
-    EvictReply,
-    Exists,
-    ExistsReply,
-    Get,
-    GetReply,
-    Hello,
-    HelloReply,
-    Lookup,
-    LookupReply,
     ProtocolError,
     Put,
-    PutReply,
     Reply,
     Request,
-    Stats,
-    StatsReply,
-    ThrottledLog,
     UnixFramer,
     decode_request,
     encode,
-    key_bytes,
     recv_frames,
-    request_mac,
     send_frames,
-    split_keys,
     unix_head,
 )
-from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
+from kvstack.cache.service import CacheService, Frames
+from kvstack.cache.shm import ServerArenas
 from kvstack.cache.store import TieredStore
-from kvstack.cache.tiers.base import Payload
 from kvstack.kvevents.publisher import KVEventPublisher
+from kvstack.logs import ThrottledLog
 
 __all__ = ["CacheServer"]
 
 log = logging.getLogger(__name__)
-MAX_MODEL_CHARS = 256  # Put.model
 
 DEFAULT_BIND = "tcp://127.0.0.1:5560"
 _SWEEP_INTERVAL_S = 5.0
@@ -105,7 +71,6 @@ _READ_BATCH = 64  # requests read per loop callback before yielding to other cal
 _EVENTS = int(zmq.EVENTS)
 _NOBLOCK = int(zmq.NOBLOCK)
 _POLLIN = int(zmq.POLLIN)
-_Frames = list[Any]  # what a reply carries after its header: bytes, memoryviews, zmq.Frames
 
 
 class CacheServer:
@@ -144,7 +109,6 @@ class CacheServer:
         self._unix_inode: int | None = None  # of the socket file this server made (removed at stop)
         self._unix_peers: set[_UnixPeer] = set()
         self._unix_waiting: set[_UnixPeer] = set()  # paused while max_concurrency requests run
-        self._secret = secret
         self._max_bytes = max_message_bytes
         self._max_keys = max_keys
         self._max_tasks = max_concurrency
@@ -166,6 +130,18 @@ class CacheServer:
             events=None if publisher is None else lambda: (publisher.sent_events, publisher.dropped_batches),
         )
         self.arenas = ServerArenas()
+        self.service = CacheService(
+            store,
+            node=self.node,
+            secret=secret,
+            max_message_bytes=max_message_bytes,
+            max_keys=max_keys,
+            metrics=self.metrics,
+            arenas=self.arenas,
+            events=self.events,
+            publisher=self.publisher,
+            in_flight=lambda: len(self._tasks),
+        )
         self._sock: zmq.Socket[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._loops: list[asyncio.Task[None]] = []
@@ -331,13 +307,13 @@ class CacheServer:
                 )
             request = decode_request(rest[0])
             op, request_id = str(request.__struct_config__.tag), request.id
-            self._authenticate(rest[0], rest[1], request.id)
+            self.service.authenticate(rest[0], rest[1], request.id)
             if not isinstance(request, Put) and len(rest) > 2:
                 extra = f"{len(rest) - 2} unexpected payload frame(s)"
                 raise ProtocolError(ErrorCode.MALFORMED, extra, request_id)
-            answer = self._answer_now(request, rest[2:])
+            answer = self.service.answer_now(request, rest[2:])
         except Exception as e:
-            self._reply(peer, op, started, self._failure(e, op, request_id), [])
+            self._reply(peer, op, started, self.service.failure(e, op, request_id), [])
             return
         if answer is not None:
             self._reply(peer, op, started, *answer)
@@ -348,22 +324,13 @@ class CacheServer:
 
     async def _answer_later(self, peer: _Peer, op: str, started: float, request: Request) -> None:
         try:
-            reply, payloads = await self._dispatch(request)
+            reply, payloads = await self.service.answer(request)
         except Exception as e:
-            reply, payloads = self._failure(e, op, request.id), []
+            reply, payloads = self.service.failure(e, op, request.id), []
         self._reply(peer, op, started, reply, payloads)
         self._read_soon()
 
-    def _failure(self, error: Exception, op: str, request_id: int) -> ErrorReply:
-        """The error reply for a request that raised (counted; a handler bug is logged with its trace)."""
-        if isinstance(error, ProtocolError):
-            self.metrics.protocol_errors.labels(error.code).inc()
-            return ErrorReply(id=error.request_id, code=error.code, message=error.message)
-        self.metrics.protocol_errors.labels(ErrorCode.INTERNAL).inc()
-        log.error("cache server: %s request failed", op, exc_info=error)
-        return ErrorReply(id=request_id, code=ErrorCode.INTERNAL, message=f"{type(error).__name__}: {error}")
-
-    def _reply(self, peer: _Peer, op: str, started: float, reply: Reply, payloads: _Frames) -> None:
+    def _reply(self, peer: _Peer, op: str, started: float, reply: Reply, payloads: Frames) -> None:
         error = isinstance(reply, ErrorReply)
         self.metrics.request_done(op, not error, time.perf_counter() - started)
         if isinstance(reply, ErrorReply) and reply.code != ErrorCode.ARENA:
@@ -373,215 +340,6 @@ class CacheServer:
         except (zmq.ZMQError, OSError) as e:
             self.metrics.protocol_errors.labels("dropped").inc()
             self._errors_log.warning("cache server: cannot send a %s reply: %s", op, e)
-
-    def _authenticate(self, header: memoryview, mac: memoryview, request_id: int) -> None:
-        if self._secret is None:
-            return
-        if len(mac) != MAC_BYTES:
-            raise ProtocolError(
-                ErrorCode.AUTH,
-                "this server needs a shared secret: sign requests with it (mac frame)",
-                request_id,
-            )
-        if not hmac.compare_digest(request_mac(self._secret, header), mac):
-            raise ProtocolError(
-                ErrorCode.AUTH, "wrong mac: the client's secret is not the server's", request_id
-            )
-
-    def _answer_now(self, request: Request, frames: Sequence[memoryview]) -> tuple[Reply, _Frames] | None:
-        """The reply of a request that needs no I/O, or None: then `_dispatch` it in a task."""
-        rid = request.id
-        match request:
-            case Lookup():
-                keys = self._key_bytes(request.keys, rid)
-                found = self.store.lookup_now(keys)
-                return None if found is None else (self._lookup_reply(rid, len(keys), *found), [])
-            case Put():
-                return self._put(request, frames), []
-            case Hello():
-                return self._hello(request), []
-            case Stats():
-                return StatsReply(id=rid, node=self.node, stats=self._stats()), []
-        return None
-
-    async def _dispatch(self, request: Request) -> tuple[Reply, _Frames]:
-        rid = request.id
-        match request:
-            case Lookup():
-                keys = self._key_bytes(request.keys, rid)
-                count, tiers = await self.store.lookup(keys)
-                return self._lookup_reply(rid, len(keys), count, tiers), []
-            case Exists():
-                present = await self.store.exists(self._key_bytes(request.keys, rid))
-                return ExistsReply(id=rid, present=present), []
-            case Get():
-                return await self._get(request)
-            case Evict():
-                removed = await self.store.delete(self._keys(request.keys, rid))
-                return EvictReply(id=rid, removed=removed), []
-            case Clear():
-                # The clear is announced as soon as memory is empty: a chunk stored while the lower
-                # tiers are being emptied is announced after it (and kept: see TieredStore.clear).
-                await self.store.clear(on_empty=None if self.events is None else self.events.cleared)
-                return ClearReply(id=rid), []
-        raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
-
-    def _lookup_reply(self, rid: int, asked: int, count: int, tiers: list[str]) -> LookupReply:
-        self.metrics.lookup_hits += count
-        self.metrics.lookup_misses += asked - count
-        return LookupReply(id=rid, count=count, tiers=tiers)
-
-    def _hello(self, request: Hello) -> HelloReply:
-        reply = HelloReply(
-            id=request.id,
-            node=self.node,
-            server=f"kvstack {kvstack.__version__}",
-            max_message_bytes=self._max_bytes,
-            max_keys=self._max_keys,
-        )
-        if request.arena:
-            try:
-                self.arenas.open(request.arena, request.arena_nonce)
-                reply.arena_ok = True
-            except ArenaError as e:
-                reply.arena_error = str(e)
-        return reply
-
-    async def _get(self, request: Get) -> tuple[GetReply, _Frames]:
-        rid = request.id
-        keys = self._keys(request.keys, rid)
-        arena = self._arena(request.arena, request.region_offset, request.region_size, rid)
-        payloads = await self.store.get(keys)
-        cursor, end = request.region_offset, request.region_offset + request.region_size
-        sizes: list[int] = []
-        offsets: list[int] = []
-        frames: _Frames = []
-        framed = shared = 0
-        more = False
-        for payload in payloads:
-            size = len(payload)
-            start = -(-cursor // ALIGN) * ALIGN
-            if arena is not None and start + size <= end:
-                arena.map[start : start + size] = payload
-                offsets.append(start)
-                cursor = start + size
-                shared += size
-            elif framed + size <= self._max_bytes:
-                frames.append(payload)
-                offsets.append(IN_FRAME)
-                framed += size
-            else:
-                more = True
-                break
-            sizes.append(size)
-        self.metrics.misses.inc(len(keys) - len(sizes))
-        self.metrics.payload_bytes.labels("get", "shm").inc(shared)
-        self.metrics.payload_bytes.labels("get", "socket").inc(framed)
-        return GetReply(id=rid, sizes=sizes, offsets=offsets, more=more), frames
-
-    def _put(self, request: Put, frames: Sequence[memoryview]) -> PutReply:
-        rid = request.id
-        keys = self._keys(request.keys, rid)
-        n = len(keys)
-        offsets = request.offsets or [IN_FRAME] * n
-        if len(request.sizes) != n or len(offsets) != n:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"{n} keys but {len(request.sizes)} sizes and {len(offsets)} offsets",
-                rid,
-            )
-        if request.parent is not None and len(request.parent) != KEY_BYTES:
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"parent is {len(request.parent)} bytes, not 32", rid)
-        if request.model is not None and len(request.model) > MAX_MODEL_CHARS:
-            # Kept with every chunk the events remember: a model name, not a payload.
-            raise ProtocolError(ErrorCode.BAD_REQUEST, f"model is over {MAX_MODEL_CHARS} characters", rid)
-        if request.token_ids is not None and len(request.token_ids) > n:
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST, f"{len(request.token_ids)} token lists for {n} keys", rid
-            )
-        in_frames = sum(1 for offset in offsets if offset == IN_FRAME)
-        if in_frames != len(frames):
-            raise ProtocolError(
-                ErrorCode.BAD_REQUEST,
-                f"{in_frames} payloads announced in frames, {len(frames)} frames sent",
-                rid,
-            )
-        arena: ServerArena | None = None
-        if in_frames < n:
-            if request.arena is None:
-                raise ProtocolError(ErrorCode.BAD_REQUEST, "arena offsets given without an arena", rid)
-            arena = self._arena(request.arena, 0, 0, rid, check=False)
-        payloads: list[Payload] = []
-        views: list[memoryview] = []
-        frame_iter = iter(frames)
-        shared = framed = 0
-        try:
-            for i, (size, offset) in enumerate(zip(request.sizes, offsets, strict=True)):
-                if offset == IN_FRAME:
-                    data = next(frame_iter)
-                    if len(data) != size:
-                        raise ProtocolError(
-                            ErrorCode.BAD_REQUEST,
-                            f"payload {i}: {len(data)} bytes in its frame, size says {size}",
-                            rid,
-                        )
-                    framed += size
-                else:
-                    assert arena is not None
-                    try:
-                        arena.check_range(offset, size)
-                    except ArenaError as e:
-                        raise ProtocolError(ErrorCode.BAD_REQUEST, f"payload {i}: {e}", rid) from None
-                    data = memoryview(arena.map)[offset : offset + size]
-                    views.append(data)
-                    shared += size
-                payloads.append(data)
-            if self.events is not None and request.token_ids:
-                self.events.remember(keys, request.parent, request.token_ids, request.model)
-            stored = self.store.put(keys, payloads)
-        finally:
-            payloads.clear()
-            for view in views:
-                view.release()
-        self.metrics.payload_bytes.labels("put", "shm").inc(shared)
-        self.metrics.payload_bytes.labels("put", "socket").inc(framed)
-        return PutReply(id=rid, stored=stored)
-
-    # -- helpers
-
-    def _keys(self, raw: bytes, rid: int) -> list[ChunkKey]:
-        self._check_key_count(raw, rid)
-        return split_keys(raw, rid)
-
-    def _key_bytes(self, raw: bytes, rid: int) -> tuple[bytes, ...]:
-        self._check_key_count(raw, rid)
-        return key_bytes(raw, rid)
-
-    def _check_key_count(self, raw: bytes, rid: int) -> None:
-        if len(raw) > self._max_keys * KEY_BYTES:
-            raise ProtocolError(
-                ErrorCode.TOO_LARGE, f"{len(raw) // KEY_BYTES} keys is over max_keys={self._max_keys}", rid
-            )
-
-    def _arena(
-        self, name: str | None, offset: int, size: int, rid: int, *, check: bool = True
-    ) -> ServerArena | None:
-        if name is None:
-            return None
-        try:
-            arena = self.arenas.open(name)
-            if check:
-                arena.check_range(offset, size)
-        except ArenaError as e:
-            raise ProtocolError(ErrorCode.ARENA, str(e), rid) from None
-        return arena
-
-    def _stats(self) -> dict[str, Any]:
-        stats = dataclasses.asdict(self.store.stats())
-        stats["server"] = {"arenas": len(self.arenas), "in_flight": len(self._tasks)}
-        if self.publisher is not None:
-            stats["server"]["events_published"] = self.publisher.sent_events
-        return stats
 
     async def _announce_held(self) -> None:
         """Announce what the tiers kept across a restart (the disk tier's chunks, with the tokens kept in
@@ -643,7 +401,7 @@ class CacheServer:
 
 
 class _Peer(Protocol):
-    def send(self, frames: _Frames) -> None: ...
+    def send(self, frames: Frames) -> None: ...
 
 
 class _ZmqPeer:
@@ -656,7 +414,7 @@ class _ZmqPeer:
         self.sock = sock
         self.envelope = envelope
 
-    def send(self, frames: _Frames) -> None:
+    def send(self, frames: Frames) -> None:
         if self.sock is self.server._sock:  # else stopped meanwhile
             send_frames(self.sock, [*self.envelope, *frames], _NOBLOCK)
 
@@ -706,7 +464,7 @@ class _UnixPeer(asyncio.Protocol):
             try:
                 frames = self.framer.next()
             except ProtocolError as e:
-                self.send([encode(server._failure(e, "invalid", 0))])
+                self.send([encode(server.service.failure(e, "invalid", 0))])
                 self.close()
                 return
             if frames is None:
@@ -717,7 +475,7 @@ class _UnixPeer(asyncio.Protocol):
             self.paused = False
             self.transport.resume_reading()
 
-    def send(self, frames: _Frames) -> None:
+    def send(self, frames: Frames) -> None:
         transport = self.transport
         if transport is None or transport.is_closing():
             return

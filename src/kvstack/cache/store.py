@@ -40,7 +40,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Tier, TierStats
 from kvstack.cache.tiers.memory import MemoryTier
 
 __all__ = ["StoreStats", "TieredStore"]

@@ -32,8 +32,8 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from kvstack.cache.protocol import ThrottledLog
 from kvstack.connector.plan import RequestSave
+from kvstack.logs import ThrottledLog
 
 __all__ = ["SaveQueue", "SaveStats"]
 

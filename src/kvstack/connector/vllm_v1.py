@@ -33,17 +33,14 @@ with ``--shutdown-timeout`` > 0 (its default, 0, kills the workers at once: save
 future misses).
 
 The key namespace names the KV cache layout and the attention backend (``kvstack.connector.layout``),
-which only the workers know: vLLM builds the scheduler half from the config and the KV cache spec, with no
-tensors, and its config names a backend only when the user chose one (vLLM's selector picks it per layer
-in the workers; ``cache_config.kv_cache_layout`` is the physical order in memory, not the tensor layout).
-So each worker, in ``register_kv_caches``, detects its layout from the tensors and its backend from its
-attention layers, and reports the namespace's block layout as vLLM's handshake metadata
-(``get_handshake_metadata``); vLLM's engine core hands the workers' reports to the scheduler half
-(``set_xfer_handshake_metadata``) after the KV caches are registered and before the first request. The
-scheduler half keys nothing until every tensor-parallel rank has reported the same block layout (a rank
-that reports a problem, or ranks that disagree, turn the connector off). Every step's plan names the
-block layout its keys belong to; a worker whose own differs turns itself off (its loads fail and are
-recomputed, its saves are skipped) and tells the scheduler half through its worker metadata.
+which only the workers know: vLLM builds the scheduler half without tensors and picks a backend per layer
+in the workers (``cache_config.kv_cache_layout`` is the physical order in memory, not the tensor layout).
+Each worker detects both in ``register_kv_caches`` and reports the block layout as handshake metadata
+(``get_handshake_metadata``); vLLM hands the reports to the scheduler half (``set_xfer_handshake_metadata``)
+before the first request. The scheduler half keys nothing until every tensor-parallel rank has reported the
+same block layout (a problem or a disagreement turns the connector off). Every step's plan names its keys'
+block layout; a worker whose own differs turns itself off (its loads fail and are recomputed, its saves
+are skipped) and tells the scheduler half through its worker metadata.
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -67,13 +64,13 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.protocol import ThrottledLog
 from kvstack.connector.config import ConnectorConfig, parse_config
 from kvstack.connector.layout import AttentionShape, block_layout_name, detect_layout, kv_layout
 from kvstack.connector.plan import RequestSave, StepPlan
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
 from kvstack.connector.saves import SaveQueue
 from kvstack.connector.worker import BlockMover, Payloads
+from kvstack.logs import ThrottledLog
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

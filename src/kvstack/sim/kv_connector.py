@@ -27,7 +27,7 @@ from typing import Any
 
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.keys import KEY_BYTES, KVLayout, chunk_keys
-from kvstack.cache.protocol import ThrottledLog
+from kvstack.logs import ThrottledLog
 from kvstack.sim.scheduler import ExternalPrefix, SimRequest
 
 __all__ = ["DEFAULT_CHUNK_SIZE", "CacheTierConfig", "CacheTierConnector", "ConnectorStats", "sim_kv_layout"]

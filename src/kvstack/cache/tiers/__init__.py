@@ -11,7 +11,8 @@ their modules (``kvstack.cache.tiers.redis``, ``kvstack.cache.tiers.s3``) so tha
 imports neither redis-py nor aiobotocore (an optional extra: ``pip install 'kvstack[s3]'``).
 """
 
-from kvstack.cache.tiers.base import Payload, Tier, TierStats
+from kvstack.cache.payload import Payload
+from kvstack.cache.tiers.base import Tier, TierStats
 from kvstack.cache.tiers.disk import DiskTier, FsyncPolicy
 from kvstack.cache.tiers.memory import MemoryTier
 

@@ -1,4 +1,4 @@
-"""The contract every KV cache tier implements (memory, local disk, Redis), and its counters.
+"""The contract every KV cache tier implements (memory, local disk, Redis, S3), and its counters.
 
 A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every tier keeps:
 
@@ -33,26 +33,16 @@ from itertools import takewhile
 from typing import Protocol
 
 from kvstack.cache.keys import ChunkKey
+from kvstack.cache.payload import Payload
 
 __all__ = [
     "Announcements",
-    "Payload",
     "Reconnector",
     "Tier",
     "TierListener",
     "TierStats",
-    "byte_view",
     "held_prefix",
 ]
-
-Payload = bytes | bytearray | memoryview
-"""One chunk's bytes, as given to ``put`` or returned by ``get``."""
-
-
-def byte_view(data: Payload) -> memoryview:
-    """``data`` as a flat view of unsigned bytes, without copying (any C-contiguous buffer works)."""
-    view = memoryview(data)
-    return view if view.format == "B" and view.ndim == 1 else view.cast("B")
 
 
 def held_prefix(keys: Sequence[bytes], held: Container[bytes]) -> int:

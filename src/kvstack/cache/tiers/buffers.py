@@ -2,9 +2,8 @@
 
 A tier that reads each chunk into memory it allocates (the Redis tier's replies) would otherwise allocate
 a fresh buffer per chunk: for 1 MiB and more glibc maps it (or grows the heap) and the kernel zero-fills it
-page by page, which made Redis reads ~3x slower than the copy itself. A pool lends the same buffers again
-once the views handed out of them are gone. (The disk tier maps its files instead: reading small files
-into pooled buffers was tried and was no faster, warm or cold, on this machine.)
+page by page, which costs more than the copy itself. A pool lends the same buffers again once the views
+handed out of them are gone. (The disk tier maps its files instead.)
 """
 
 from __future__ import annotations

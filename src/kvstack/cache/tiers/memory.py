@@ -40,7 +40,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager, suppress
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Payload, Tier, TierStats, byte_view, held_prefix
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Tier, TierStats, held_prefix
 
 __all__ = ["MemoryTier"]
 

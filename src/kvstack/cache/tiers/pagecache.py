@@ -1,12 +1,12 @@
 """Is a file wholly in the page cache? Linux's ``cachestat`` system call (kernel 6.5+), asked through ctypes.
 
 The disk tier reads a chunk file whose pages are all cached on its event loop, as the memory tier reads
-memory: mapping and checksumming a cached MiB takes about as long as a thread pool's hand-off and return
-on a busy 2-core machine, so the hop would double the cost of the read. Other files go to its I/O threads.
+memory: a thread pool's hand-off and return costs about as much as mapping and checksumming a cached MiB,
+so the hop would double the cost of the read. Other files go to its I/O threads.
 
 Where ``cachestat`` cannot be asked (another OS, a kernel before 6.5, a seccomp filter that refuses unknown
 system calls, as container runtimes' default profiles do), `PageCache.resident` answers None from then on
-and every read goes to the threads, as before this existed.
+and every read goes to the threads.
 """
 
 from __future__ import annotations

@@ -13,18 +13,17 @@ no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lr
   for a turn), so no burst of requests can use up the server's ``maxclients``. ``STRLEN`` rather than
   ``EXISTS``: a value of another type under a chunk's name (which ``MGET`` reads as nil) or one too short
   to be a record is found by a lookup too, deleted and counted corrupt, so lookups and gets agree. ``delete``,
-  ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py no longer reads the
-  values). The ``SET`` s (no transaction) are framed
-  here in RESP, each record's header and payload as separate buffers of one bulk string: the payload is not
-  copied into a joined value, as redis-py's ``pipe.set`` would need (one buffer per value). A value that
-  fails verification is deleted (``DEL``), counted in ``corrupt`` and a miss.
+  ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py never reads the values).
+  The ``SET`` s (no transaction) are framed here in RESP, each record's header and payload as separate
+  buffers of one bulk string: the payload is not copied into a joined value, as redis-py's ``pipe.set``
+  would need (one buffer per value). A value that fails verification is deleted (``DEL``), counted in
+  ``corrupt`` and a miss.
 - Connection loss or a timeout (``socket_timeout_s``, default 0.5 s: below the cache clients' default of
   1 s, so a stalled Redis costs a lookup its Redis answer, not the client's whole request) marks the tier
-  down: from then on reads are misses and
-  writes are dropped, without touching the network, counted, never raised. A background task drops the
-  client's connections and ``PING``s with exponential backoff (``retry_initial_s`` doubling up to
-  ``retry_max_s``) and marks the tier up again on the first answer. redis-py's own retries are off, so a
-  dead server costs one failed call, not a retry storm.
+  down: from then on reads are misses and writes are dropped, without touching the network, counted, never
+  raised. A background task drops the client's connections and ``PING``s with exponential backoff
+  (``retry_initial_s`` doubling up to ``retry_max_s``) and marks the tier up again on the first answer.
+  redis-py's own retries are off, so a dead server costs one failed call, not a retry storm.
 - ``start`` never fails on an unreachable server: the tier starts down and comes up when the server does.
 - Removals Redis makes on its own (TTL expiry, ``maxmemory`` eviction, another client's ``DEL``) are not
   pushed to the tier. It reports the removal of a chunk it reported stored (the last ``max_announced``)
@@ -50,7 +49,8 @@ from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvstack.cache.keys import ChunkKey
-from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Announcements, Reconnector, Tier, TierStats
 from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
 from kvstack.cache.tiers.resp import RespAddress, RespConnection, pack_command

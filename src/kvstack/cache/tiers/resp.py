@@ -8,13 +8,12 @@ value is returned as a ``memoryview`` slice of it, never copied after the kernel
 are never written twice once a value of it was handed out. A command whose arena is over half used by
 values handed out starts in a fresh one, so a reply of up to 1 MiB is not split across two arenas (which
 costs a copy of the part already received); reading also moves on when too little is left. A larger bulk
-string is read straight into a buffer of its own (a ``bytearray``), again one copy. An MGET of 16 values of
-64 KiB took 6.6 socket reads on average instead of 33 with an 8 KiB header buffer, and 0.9x the time.
+string is read straight into a buffer of its own (a ``bytearray``), again one copy.
 
 A value keeps its arena alive while it is referenced: hold a copy, not the view, to keep one value long
 (the store copies what it promotes into its memory tier). Arenas and large-value buffers come from a
 `BufferPool` (``kvstack.cache.tiers.buffers``) when one is given, and are reused once nothing refers to
-them; without reuse, 1 MiB values were read ~3x slower.
+them.
 
 `RespConnection` runs one command or pipeline at a time (callers keep a pool of connections); a reply is a
 bulk string (``memoryview`` or ``bytearray``, see above), None (nil), a simple string (``bytes``), an

@@ -58,9 +58,10 @@ from botocore.exceptions import (
 from botocore.exceptions import ConnectionError as BotoConnectionError
 
 from kvstack.cache.keys import KEY_BYTES, ChunkKey
-from kvstack.cache.protocol import ThrottledLog
-from kvstack.cache.tiers.base import Announcements, Payload, Reconnector, Tier, TierStats, byte_view
+from kvstack.cache.payload import Payload, byte_view
+from kvstack.cache.tiers.base import Announcements, Reconnector, Tier, TierStats
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
+from kvstack.logs import ThrottledLog
 
 __all__ = ["S3Tier"]
 
