@@ -22,8 +22,9 @@ Counted by the server:
   ``kvstack_cache_protocol_errors_total{code}`` (every error reply and every reply that could not be sent,
   by `ErrorCode` or ``dropped``).
 - ``kvstack_cache_payload_bytes_total{op,path}``: get/put payload bytes through ``shm`` or ``socket``.
-- ``kvstack_cache_events_total``, ``kvstack_cache_event_batch_drops_total``: events published, batches
-  dropped at the PUB high-water mark.
+- ``kvstack_cache_events_total``, ``kvstack_cache_event_batch_drops_total``: events published, batches the
+  PUB socket refused. ZMQ drops silently for a subscriber past its high-water mark; that subscriber sees the
+  sequence gap and replays, so such drops are not counted here.
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ class _StoreCollector(Collector):
             yield CounterMetricFamily("kvstack_cache_events", "KV events published", value=sent)
             yield CounterMetricFamily(
                 "kvstack_cache_event_batch_drops",
-                "Event batches dropped at the PUB high-water mark",
+                "Event batches the PUB socket refused to send",
                 value=dropped,
             )
 
