@@ -13,7 +13,7 @@ engines it takes N times this per second from the requests. Compared, on the sam
 
 Then the fetch itself: CPU of this process per GET of ``benchmarks/backend_zero.py``'s /metrics (a separate
 process), through an aiohttp session (how the router fetched until 2026-12-03) and through the router's lean
-HTTP client (`kvstack.router.server.lean_metrics_fetch`, what it uses now), interleaved in rounds.
+HTTP client (`kvstack.http.client.UpstreamPool.get`, what the scraper uses now), interleaved in rounds.
 
 Pages: a simulated vLLM engine's /metrics after some requests (vLLM 0.32 names and histograms), and the same
 page with 8 data-parallel ranks (every series repeated with ``engine="0".."7"``).
@@ -50,7 +50,6 @@ from kvstack.engines.catalog import catalog_for
 from kvstack.engines.metrics_reader import read_signals, sample_names
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.http.client import UpstreamPool
-from kvstack.router.server import lean_metrics_fetch
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
@@ -137,7 +136,6 @@ def timed(fn: Callable[[str], object], page: str, repeats: int) -> list[float]:
 async def fetch_costs(url: str, rounds: int, per_round: int) -> dict[str, float]:
     """µs of this process's CPU per /metrics fetch of ``url``, aiohttp session against the lean client."""
     pool = UpstreamPool(max_idle_per_origin=1)
-    lean = lean_metrics_fetch(pool, 2.0)
     cpu = {"aiohttp session": 0.0, "kvstack lean client": 0.0}
     try:
         async with aiohttp.ClientSession() as http:
@@ -148,7 +146,11 @@ async def fetch_costs(url: str, rounds: int, per_round: int) -> dict[str, float]
                     return await resp.read()
 
             async def with_lean() -> bytes:
-                return await lean(url, 1 << 24)
+                reply = await pool.get(
+                    url, "/metrics", headers=[("Accept", "text/plain")], within=2.0, max_bytes=1 << 24
+                )
+                assert reply.status == 200
+                return reply.body
 
             fetchers = {"aiohttp session": with_aiohttp, "kvstack lean client": with_lean}
             for fetch in fetchers.values():  # connections open, both bodies look alike

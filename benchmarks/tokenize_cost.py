@@ -16,7 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import aiohttp
 from rich.console import Console
 from rich.table import Table
 
@@ -27,6 +26,7 @@ from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.http.client import UpstreamPool
 from kvstack.index.prefix_index import Tier
 from kvstack.router.prefix import PrefixLocator
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
@@ -100,59 +100,60 @@ async def main() -> None:
     for col in ("words", "tokens", "path", "p50", "p99"):
         table.add_column(col, justify="right" if col != "path" else "left")
     stall_rows: list[tuple[int, float]] = []
+    client = UpstreamPool()
     try:
-        async with aiohttp.ClientSession() as http:
-            for n_words in (int(s) for s in args.sizes.split(",")):
-                local = PromptTokenizer({MODEL: tokenizer, f"{MODEL}-probe": tokenizer})
-                remote = PromptTokenizer(session=http, engine_for=lambda _m: engine.url)
-                timings: dict[str, list[float]] = {"local": [], "cached": [], "remote": [], "lookup": []}
-                locator = PrefixLocator()
-                states = [EngineState(Endpoint(f"http://e{i}", models=frozenset({MODEL}))) for i in range(8)]
-                tokens: tuple[int, ...] = ()
-                # The local path alone, under the stall probe (the in-process sim's own inline tokenizing
-                # would show up in it otherwise).
-                stop, stalls = asyncio.Event(), []
-                probe = asyncio.create_task(loop_stall_probe(stop, stalls))
-                for i in range(args.repeats):
-                    await local.token_ids(f"{MODEL}-probe", chat_of(n_words, i))
-                    await asyncio.sleep(0.002)  # let the probe run between requests, as a server would
-                stop.set()
-                await probe
-                stall_rows.append((n_words, max(stalls) if stalls else 0.0))
-                for i in range(args.repeats):
-                    prompt = chat_of(n_words, i)
-                    t0 = time.perf_counter()
-                    ids = await local.token_ids(MODEL, prompt)
-                    t1 = time.perf_counter()
-                    await local.token_ids(MODEL, prompt)
-                    t2 = time.perf_counter()
-                    remote_ids = await remote.token_ids(MODEL, prompt)
-                    t3 = time.perf_counter()
-                    assert ids is not None and ids == remote_ids, "local and engine tokenization differ"
-                    if i == 0:
-                        # Index the first prompt on half the engines so lookups find real prefixes.
-                        for s in states[:4]:
-                            keys = locator.keyer("", 16).keys(ids)
-                            locator.index.store(s.url, keys, Tier.GPU)
-                            locator._block_sizes[s.url] = 16
-                    t4 = time.perf_counter()
-                    locator.lookup(ids, states)
-                    t5 = time.perf_counter()
-                    tokens = ids
-                    timings["local"].append(t1 - t0)
-                    timings["cached"].append(t2 - t1)
-                    timings["remote"].append(t3 - t2)
-                    timings["lookup"].append(t5 - t4)
-                for path, values in timings.items():
-                    table.add_row(
-                        str(n_words),
-                        str(len(tokens)),
-                        PATHS[path],
-                        f"{statistics.median(values) * 1e3:.3f}",
-                        f"{pct(values, 99) * 1e3:.3f}",
-                    )  # fmt: skip
-                local.close()
+        for n_words in (int(s) for s in args.sizes.split(",")):
+            local = PromptTokenizer({MODEL: tokenizer, f"{MODEL}-probe": tokenizer})
+            remote = PromptTokenizer(client=client, engines_for=lambda _m: [engine.url])
+            timings: dict[str, list[float]] = {"local": [], "cached": [], "remote": [], "lookup": []}
+            locator = PrefixLocator()
+            states = [EngineState(Endpoint(f"http://e{i}", models=frozenset({MODEL}))) for i in range(8)]
+            tokens: tuple[int, ...] = ()
+            # The local path alone, under the stall probe (the in-process sim's own inline tokenizing
+            # would show up in it otherwise).
+            stop, stalls = asyncio.Event(), []
+            probe = asyncio.create_task(loop_stall_probe(stop, stalls))
+            for i in range(args.repeats):
+                await local.token_ids(f"{MODEL}-probe", chat_of(n_words, i))
+                await asyncio.sleep(0.002)  # let the probe run between requests, as a server would
+            stop.set()
+            await probe
+            stall_rows.append((n_words, max(stalls) if stalls else 0.0))
+            for i in range(args.repeats):
+                prompt = chat_of(n_words, i)
+                t0 = time.perf_counter()
+                ids = await local.token_ids(MODEL, prompt)
+                t1 = time.perf_counter()
+                await local.token_ids(MODEL, prompt)
+                t2 = time.perf_counter()
+                remote_ids = await remote.token_ids(MODEL, prompt)
+                t3 = time.perf_counter()
+                assert ids is not None and ids == remote_ids, "local and engine tokenization differ"
+                if i == 0:
+                    # Index the first prompt on half the engines so lookups find real prefixes.
+                    for s in states[:4]:
+                        keys = locator.keyer("", 16).keys(ids)
+                        locator.index.store(s.url, keys, Tier.GPU)
+                        locator._block_sizes[s.url] = 16
+                t4 = time.perf_counter()
+                locator.lookup(ids, states)
+                t5 = time.perf_counter()
+                tokens = ids
+                timings["local"].append(t1 - t0)
+                timings["cached"].append(t2 - t1)
+                timings["remote"].append(t3 - t2)
+                timings["lookup"].append(t5 - t4)
+            for path, values in timings.items():
+                table.add_row(
+                    str(n_words),
+                    str(len(tokens)),
+                    PATHS[path],
+                    f"{statistics.median(values) * 1e3:.3f}",
+                    f"{pct(values, 99) * 1e3:.3f}",
+                )  # fmt: skip
+            local.close()
     finally:
+        await client.close()
         await stop_engine(engine)
     console.print(f"machine: {machine()}")
     console.print(table)

@@ -16,6 +16,7 @@ from harness import EngineProcess, start_vllm
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer, TextPrompt
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.http.client import UpstreamPool
 from kvstack.router.server import RouterOptions, RunningRouter, start_router
 
 pytestmark = pytest.mark.vllm
@@ -154,9 +155,10 @@ CHATS: list[dict[str, Any]] = [
 async def test_local_and_remote_tokenization_match_vllm(
     vllm_engine: EngineProcess, tiny_model_dir: Path
 ) -> None:
+    client = UpstreamPool()
     async with aiohttp.ClientSession() as http:
         local = PromptTokenizer({MODEL: load_tokenizer(str(tiny_model_dir))})
-        remote = PromptTokenizer(session=http, engines_for=lambda _model: [vllm_engine.url])
+        remote = PromptTokenizer(client=client, engines_for=lambda _model: [vllm_engine.url])
         for text in ("plain text", LONG, "  spaces and\nnewlines\t", "ünïcödé ✓"):
             for special in (True, False):
                 answer, _ = await _post(
@@ -183,3 +185,4 @@ async def test_local_and_remote_tokenization_match_vllm(
             served, _ = await _post(http, f"{vllm_engine.url}/v1/chat/completions", body)
             assert served["usage"]["prompt_tokens"] == len(answer["tokens"])
         local.close()
+    await client.close()

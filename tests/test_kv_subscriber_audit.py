@@ -9,13 +9,13 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import aiohttp
 import msgspec
 import pytest
 import zmq
 import zmq.asyncio
 
 from kvstack.engines.state import Endpoint
+from kvstack.http.client import UpstreamPool
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     BlockStored,
@@ -89,43 +89,42 @@ async def test_no_event_reaches_the_index_after_engine_removed_and_a_readded_eng
     pub = ScriptedPublisher(ctx, replay=False)
     locator = PrefixLocator()
     endpoint = Endpoint("http://e", kv_events_endpoint=pub.source.endpoint)
-    async with aiohttp.ClientSession() as session:
-        feeds = KVEventFeeds(locator, session, lambda url: None)
-        try:
-            feeds.engine_added(endpoint)
-            sub = feeds.subscriber("http://e")
-            assert sub is not None
-            on_message = sub._on_message
+    feeds = KVEventFeeds(locator, UpstreamPool(), lambda url: None)  # configured: no side calls
+    try:
+        feeds.engine_added(endpoint)
+        sub = feeds.subscriber("http://e")
+        assert sub is not None
+        on_message = sub._on_message
 
-            async def removed_in_flight(source: EventSource, tracker: Any, frames: list[bytes]) -> None:
-                # Discovery removes the engine after this message was received, before it is applied.
-                if sub.batches == 1:
-                    feeds.engine_removed("http://e")
-                await on_message(source, tracker, frames)
+        async def removed_in_flight(source: EventSource, tracker: Any, frames: list[bytes]) -> None:
+            # Discovery removes the engine after this message was received, before it is applied.
+            if sub.batches == 1:
+                feeds.engine_removed("http://e")
+            await on_message(source, tracker, frames)
 
-            monkeypatch.setattr(sub, "_on_message", removed_in_flight)
-            await pub.subscribed()
-            await pub.send(0)
-            await _until(lambda: sub.batches == 1)
-            await pub.send(1)
-            await _until(lambda: "http://e" not in feeds._subscribers)
-            await asyncio.sleep(0.1)
-            assert locator.index.stats().entries == 0
-            assert locator.block_size("http://e") is None
+        monkeypatch.setattr(sub, "_on_message", removed_in_flight)
+        await pub.subscribed()
+        await pub.send(0)
+        await _until(lambda: sub.batches == 1)
+        await pub.send(1)
+        await _until(lambda: "http://e" not in feeds._subscribers)
+        await asyncio.sleep(0.1)
+        assert locator.index.stats().entries == 0
+        assert locator.block_size("http://e") is None
 
-            # The engine restarts (empty cache) and is found again under the same URL.
-            feeds.engine_added(endpoint)
-            again = feeds.subscriber("http://e")
-            assert again is not None
-            fresh = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[500, 501], block_size=2)
-            async with asyncio.timeout(TIMEOUT):
-                while again.batches == 0:  # the new subscription travels after the connection
-                    await pub.send(0, EventBatch(ts=0.0, events=[fresh]))
-                    await asyncio.sleep(0.02)
-            assert locator.index.stats().entries == 1  # only the block the restarted engine holds
-        finally:
-            await feeds.stop()
-            await pub.close()
+        # The engine restarts (empty cache) and is found again under the same URL.
+        feeds.engine_added(endpoint)
+        again = feeds.subscriber("http://e")
+        assert again is not None
+        fresh = BlockStored(block_hashes=[7], parent_block_hash=None, token_ids=[500, 501], block_size=2)
+        async with asyncio.timeout(TIMEOUT):
+            while again.batches == 0:  # the new subscription travels after the connection
+                await pub.send(0, EventBatch(ts=0.0, events=[fresh]))
+                await asyncio.sleep(0.02)
+        assert locator.index.stats().entries == 1  # only the block the restarted engine holds
+    finally:
+        await feeds.stop()
+        await pub.close()
 
 
 async def test_a_closed_subscriber_applies_nothing_more(ctx: zmq.asyncio.Context) -> None:

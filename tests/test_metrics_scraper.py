@@ -1,5 +1,5 @@
-"""The metrics scraper against real simulator processes over HTTP, plus tiny aiohttp servers for what an
-engine cannot be made to do (a /metrics that hangs, answers 500 or returns garbage)."""
+"""The metrics scraper, over the router's side-call pool, against real simulator processes, plus tiny aiohttp
+servers for what an engine cannot be made to do (a /metrics that hangs, answers 500 or returns garbage)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -22,7 +20,6 @@ from harness import EngineProcess, free_port, start_sim
 from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.http.client import UpstreamPool
-from kvstack.router.server import lean_metrics_fetch
 
 LEGACY = {
     "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
@@ -71,25 +68,22 @@ def sims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, EngineP
             engine.stop()
 
 
-ClientFactory = Callable[[], AbstractAsyncContextManager[Any]]
+ClientFactory = Callable[[], AbstractAsyncContextManager[UpstreamPool]]
 
 
-@pytest.fixture(params=["aiohttp", "lean"])
-def scrape_client(request: pytest.FixtureRequest) -> ClientFactory:
-    """Every test runs twice: scraping through an aiohttp session, and through the router's lean HTTP
-    client (`lean_metrics_fetch`, what `kvstack router` uses)."""
-    if request.param == "aiohttp":
-        return aiohttp.ClientSession
+@pytest.fixture
+def scrape_client() -> ClientFactory:
+    """A connection pool for the scraper, as the router gives it one."""
 
     @asynccontextmanager
-    async def lean() -> AsyncIterator[Any]:
-        pool = UpstreamPool(max_idle_per_origin=1)
+    async def pool() -> AsyncIterator[UpstreamPool]:
+        client = UpstreamPool()
         try:
-            yield lean_metrics_fetch(pool, 2.0)
+            yield client
         finally:
-            await pool.close()
+            await client.close()
 
-    return lean
+    return pool
 
 
 def _state(url: str, engine_type: str = "vllm") -> EngineState:
@@ -367,6 +361,19 @@ async def test_oversized_body_is_refused(
         scraper = MetricsScraper(http, lambda: [state], max_bytes=1000, observer=recorder)
         await scraper.scrape_once()
     assert [s.reason for s in recorder.scrapes] == ["too_large"]
+    assert state.healthy and state.metrics is None
+
+
+async def test_an_oversized_error_answer_counts_as_its_status(scrape_client: ClientFactory) -> None:
+    async def failing(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="x" * 5000)
+
+    recorder = Recorder()
+    async with metrics_server(failing) as url, scrape_client() as http:
+        state = _state(url)
+        scraper = MetricsScraper(http, lambda: [state], max_bytes=1000, unhealthy_after=1, observer=recorder)
+        await scraper.scrape_once()
+    assert [s.reason for s in recorder.scrapes] == ["http_503"]
     assert state.healthy and state.metrics is None
 
 

@@ -13,7 +13,6 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
-import aiohttp
 import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import ApiClient, Configuration
@@ -31,6 +30,7 @@ from kvstack.engines.discovery import (
 )
 from kvstack.engines.prompt_tokens import PromptTokenizer, TextPrompt
 from kvstack.engines.state import Endpoint
+from kvstack.http.client import UpstreamPool
 from kvstack.router.server import RouterOptions, running_router
 
 FAST = Backoff(initial_s=0.02, max_s=0.2)
@@ -73,6 +73,15 @@ async def fake_engine(*, hang: bool = False) -> AsyncIterator[tuple[str, list[st
         yield f"http://127.0.0.1:{sock.getsockname()[1]}", asked
     finally:
         await runner.cleanup()
+
+
+@asynccontextmanager
+async def engine_client() -> AsyncIterator[UpstreamPool]:
+    client = UpstreamPool()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 @contextmanager
@@ -161,10 +170,10 @@ async def test_remote_tokenize_rotates_and_rests_an_engine_that_does_not_answer(
     async with (
         fake_engine(hang=True) as (hung, hung_asked),
         fake_engine() as (good, good_asked),
-        aiohttp.ClientSession() as session,
+        engine_client() as client,
     ):
         prompts = PromptTokenizer(
-            session=session,
+            client=client,
             engines_for=lambda _model: [hung, good],
             remote_timeout=0.3,
             remote_cooldown=60.0,
@@ -177,6 +186,32 @@ async def test_remote_tokenize_rotates_and_rests_an_engine_that_does_not_answer(
     failed = [seconds for source, seconds in observed if source == "remote_failed"]
     assert len(failed) == 1 and failed[0] >= 0.3
     assert [source for source, _ in observed].count("remote") == 7
+
+
+async def test_remote_tokenize_bounds_the_answer_by_the_prompt_and_rests_no_engine_for_it() -> None:
+    asked: list[int] = []
+
+    async def tokenize(request: web.Request) -> web.Response:
+        asked.append(len(await request.read()))
+        # More than 8 bytes per request byte plus 1 MiB: no prompt renders to this many tokens.
+        return web.json_response({"tokens": [1] * (asked[-1] * 8 + (1 << 20))})
+
+    app = web.Application()
+    app.router.add_post("/tokenize", tokenize)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    await web.SockSite(runner, sock).start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        async with engine_client() as client:
+            prompts = PromptTokenizer(client=client, engines_for=lambda _model: [url], remote_timeout=5.0)
+            assert await prompts.token_ids(MODEL, TextPrompt("a")) is None
+            assert await prompts.token_ids(MODEL, TextPrompt("b")) is None
+    finally:
+        await runner.cleanup()
+    assert len(asked) == 2  # the oversized answer was the prompt's problem: the engine was asked again
 
 
 async def test_router_tokenizes_with_an_engine_that_answers_scrapes() -> None:

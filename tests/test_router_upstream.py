@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import pytest
 
-from kvstack.http.client import ConnectFailed, Origin, UpstreamBroken, UpstreamPool, UpstreamTimeout
+from kvstack.http.client import (
+    BodyTooLarge,
+    CannotSend,
+    ConnectFailed,
+    ConnectTimedOut,
+    Origin,
+    UpstreamBroken,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 
 Handler = Callable[["_Conn", bytes], None]
 ServerFactory = Callable[[Handler], "RawServer"]
@@ -366,5 +376,130 @@ async def test_an_interim_100_continue_is_skipped(raw_server: ServerFactory) -> 
         assert await resp.read(within=2) == b"final"
         resp.release()
         assert pool.idle_connections == 1
+    finally:
+        await pool.close()
+
+
+# -- side calls (get / post_json): the whole answer, bounded in time and size ------------------------------
+
+
+async def test_a_side_call_returns_status_headers_and_body_and_reuses_its_connection(
+    raw_server: ServerFactory,
+) -> None:
+    server = await serve(
+        raw_server(lambda conn, req: conn.send(sized(b'{"tokens":[1,2]}', extra="X-A: b\r\n")))
+    )
+    pool = UpstreamPool()
+    try:
+        reply = await pool.get(
+            server.url, "/v1/models", headers=[("Accept", "text/plain")], within=2, max_bytes=100
+        )
+        assert (reply.status, reply.body, reply.header("x-a")) == (200, b'{"tokens":[1,2]}', "b")
+        reply = await pool.post_json(server.url, "/tokenize", b'{"prompt":"hi"}', within=2, max_bytes=100)
+        assert reply.json() == {"tokens": [1, 2]}
+        get, post = server.requests
+        assert get.startswith(b"GET /v1/models HTTP/1.1\r\n") and b"\r\nAccept: text/plain\r\n" in get
+        assert post.startswith(b"POST /tokenize HTTP/1.1\r\n")
+        assert b"\r\nContent-Type: application/json\r\n" in post and post.endswith(b'\r\n\r\n{"prompt":"hi"}')
+        assert len(server.connections) == 1 and pool.idle_connections == 1
+    finally:
+        await pool.close()
+
+
+async def test_a_side_call_answered_with_an_error_status_is_a_reply(raw_server: ServerFactory) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(sized(b"no such route", "404 Not Found"))))
+    pool = UpstreamPool()
+    try:
+        reply = await pool.get(server.url, "/kv_event_sources", within=2, max_bytes=100)
+        assert (reply.status, reply.body) == (404, b"no such route")
+        with pytest.raises(ValueError):
+            reply.json()
+        assert pool.idle_connections == 1  # read to the end: kept
+    finally:
+        await pool.close()
+
+
+async def test_a_side_call_with_nothing_listening_is_connect_failed() -> None:
+    loop = asyncio.get_running_loop()
+    probe = await loop.create_server(asyncio.Protocol, "127.0.0.1", 0)
+    port = probe.sockets[0].getsockname()[1]
+    probe.close()
+    await probe.wait_closed()
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(ConnectFailed):
+            await pool.get(f"http://127.0.0.1:{port}", "/metrics", within=2, max_bytes=100)
+        with pytest.raises(CannotSend):
+            await pool.get("http://127.0.0.1:99999", "/metrics", within=2, max_bytes=100)
+    finally:
+        await pool.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc",  # the body stalls
+        b"",  # the headers never come
+    ],
+)
+async def test_a_side_call_not_complete_in_time_times_out_and_closes(
+    raw_server: ServerFactory, answer: bytes
+) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(answer)))
+    pool = UpstreamPool()
+    try:
+        started = asyncio.get_running_loop().time()
+        with pytest.raises(UpstreamTimeout) as info:
+            await pool.get(server.url, "/metrics", within=0.3, max_bytes=100)
+        assert 0.3 <= asyncio.get_running_loop().time() - started < 2.0
+        assert info.value.reason == "timeout" and isinstance(info.value, TimeoutError)
+        assert str(info.value) == "no complete answer within 0.3 s"
+        assert pool.open_connections == 0 and pool.idle_connections == 0
+    finally:
+        await pool.close()
+
+
+async def test_a_side_call_that_cannot_connect_in_time_is_connect_timed_out() -> None:
+    listener = socket.socket()  # an accept queue that is full and never drained: SYNs are dropped
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers = [socket.socket() for _ in range(3)]
+    for filler in fillers:
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(ConnectTimedOut):
+            await pool.get(
+                f"http://127.0.0.1:{port}", "/metrics", within=2, connect_timeout=0.2, max_bytes=100
+            )
+    finally:
+        await pool.close()
+        for s in (*fillers, listener):
+            s.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        sized(b"x" * 101),  # announced
+        b"HTTP/1.1 200 OK\r\n" + CHUNKED + (b"40\r\n" + b"x" * 64 + b"\r\n") * 2 + b"0\r\n\r\n",  # sent
+        sized(b"x" * 101, "503 Service Unavailable"),
+    ],
+)
+async def test_a_side_call_answer_over_max_bytes_is_refused_and_closes(
+    raw_server: ServerFactory, answer: bytes
+) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(answer)))
+    pool = UpstreamPool()
+    try:
+        with pytest.raises(BodyTooLarge) as info:
+            await pool.get(server.url, "/metrics", within=2, max_bytes=100)
+        assert info.value.reason == "too_large"
+        assert info.value.status == int(answer.split(b" ")[1])
+        assert pool.open_connections == 0 and pool.idle_connections == 0
+        reply = await pool.get(server.url, "/metrics", within=2, max_bytes=200)  # within the bound: fine
+        assert reply.body.count(b"x") >= 101
     finally:
         await pool.close()

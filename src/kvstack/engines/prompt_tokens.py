@@ -1,30 +1,16 @@
 """The prompt token ids an engine will compute for a request, as the router needs them for prefix routing.
 
-A request names its prompt three ways, and each becomes token ids the way vLLM makes them:
-- text (``/v1/completions`` ``prompt``): encoded with ``add_special_tokens`` (default true);
-- token ids (``prompt`` as a list of ints): used as they are;
-- chat messages (``/v1/chat/completions``): the model's chat template rendered with the request's
-  ``add_generation_prompt``, ``continue_final_message``, ``chat_template``, ``chat_template_kwargs`` and
-  ``tools``, then encoded without special tokens (the template writes them).
-A batch of prompts routes by its first one; other endpoints (embeddings, responses, tokenize) are not
-tokenized.
+A prompt becomes ids the way vLLM makes them: text (``/v1/completions``) encoded with ``add_special_tokens``
+(default true); token ids used as they are; chat messages rendered with the model's chat template and the
+request's template fields, then encoded without special tokens. A batch routes by its first prompt; other
+endpoints are not tokenized.
 
-Two ways to get the ids: locally, from a tokenizer directory per model (tokenizers + the jinja2 chat
-template, see ``kvstack.engines.tokenizer``), or remotely, by asking an engine that serves the model
-(``POST /tokenize`` with the same fields), which renders with exactly the engine's own code. A local
-tokenizer wins when both are available: it costs no round trip.
-
-Remote: ``engines_for(model)`` lists the engines that may be asked (the router: routable ones serving the
-model, those with fresh metrics first); they take turns. An engine that fails to answer (timeout,
-connection error, 5xx or 404, an unreadable answer) is not asked again for ``remote_cooldown`` seconds
-(default 30), so one hung engine costs one request ``remote_timeout`` per cooldown, not every request.
-A 4xx other than 404 is the prompt's problem and sends no engine to cool down.
-
-Results are cached in a bounded LRU (entries and total tokens) keyed by a 128-bit hash of the prompt
-fields, so a client that repeats a prompt pays once. Prompts longer than ``inline_chars`` are rendered and
-encoded on a worker thread the tokenizer owns, so a 100k-token document does not stall every other request
-on the event loop. Any failure (a template error, an engine that does not answer) gives ``None``: the
-request is routed without prefix knowledge, and the engine itself reports the user's error.
+Locally, from a tokenizer per model (``kvstack.engines.tokenizer``; long prompts on a worker thread above
+``inline_chars``), else remotely: ``POST /tokenize`` to the engines ``engines_for(model)`` lists, in turns,
+each answer within ``remote_timeout`` and at most 8 bytes per request byte (+1 MiB). An engine that fails
+(timeout, connection error, 5xx or 404, an unreadable answer) is not asked again for ``remote_cooldown`` s;
+another 4xx or an oversized answer is the prompt's problem. Results are cached in a bounded LRU keyed by a
+128-bit hash of the prompt fields. Any failure gives ``None``: the request routes without prefix knowledge.
 """
 
 from __future__ import annotations
@@ -38,11 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import msgspec
 import xxhash
 
 from kvstack.engines.tokenizer import Tokenizer
+from kvstack.http.client import BodyTooLarge, UpstreamError, UpstreamPool
 
 __all__ = [
     "ChatPrompt",
@@ -56,6 +42,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 _encode = msgspec.json.Encoder(order="deterministic")
+# A /tokenize answer holds at most one token per prompt byte, each at most 8 bytes of JSON ("1234567,"),
+# and the few a chat template adds.
+_ANSWER_BYTES_PER_BYTE = 8
+_ANSWER_SLACK = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +152,7 @@ class PromptTokenizer:
         tokenizers: Mapping[str, Tokenizer] | None = None,
         *,
         default: Tokenizer | None = None,
-        session: aiohttp.ClientSession | None = None,
+        client: UpstreamPool | None = None,
         engines_for: EnginesFor | None = None,
         remote_timeout: float = 2.0,
         remote_cooldown: float = 30.0,
@@ -171,7 +161,7 @@ class PromptTokenizer:
         inline_chars: int = 8192,
         observe: Callable[[str, float], None] | None = None,
     ) -> None:
-        """``tokenizers``: model name → tokenizer (``default`` for other models); ``session`` +
+        """``tokenizers``: model name → tokenizer (``default`` for other models); ``client`` +
         ``engines_for`` enable remote rendering for models without a local tokenizer.
 
         ``observe(source, seconds)`` is told the cost of each prompt: source ``local``/``remote``/``cache``,
@@ -179,7 +169,7 @@ class PromptTokenizer:
         """
         self.tokenizers = dict(tokenizers or {})
         self.default = default
-        self.session = session
+        self.client = client
         self.engines_for = engines_for
         self.remote_timeout = remote_timeout
         self.remote_cooldown = remote_cooldown
@@ -264,7 +254,7 @@ class PromptTokenizer:
 
     def _pick_engine(self, model: str) -> str | None:
         """The next engine in turn for ``model`` that is not cooling down, or None."""
-        if self.session is None or self.engines_for is None:
+        if self.client is None or self.engines_for is None:
             return None
         now = time.monotonic()
         candidates = [e for e in self.engines_for(model) if self._cooling.get(e, 0.0) <= now]
@@ -276,29 +266,36 @@ class PromptTokenizer:
     async def _remote(
         self, engine: str, model: str, prompt: TextPrompt | ChatPrompt
     ) -> tuple[int, ...] | None:
-        assert self.session is not None
-        body: dict[str, Any] = {"model": model}
+        assert self.client is not None
+        fields: dict[str, Any] = {"model": model}
         if isinstance(prompt, TextPrompt):
-            body.update(prompt=prompt.text, add_special_tokens=prompt.add_special_tokens)
+            fields.update(prompt=prompt.text, add_special_tokens=prompt.add_special_tokens)
         else:
-            body.update(prompt.fields())
+            fields.update(prompt.fields())
         try:
-            timeout = aiohttp.ClientTimeout(total=self.remote_timeout)
-            async with self.session.post(f"{engine}/tokenize", json=body, timeout=timeout) as resp:
-                if resp.status != 200:
-                    if resp.status >= 500 or resp.status == 404:
-                        self._cool(engine, f"HTTP {resp.status}")
-                    else:  # the prompt's problem; the engine will tell the client when it serves it
-                        log.debug("engine %s: /tokenize answered %d", engine, resp.status)
-                    return None
-                answer = await resp.json(content_type=None)
-            tokens = answer["tokens"]
+            body = _encode.encode(fields)
+            reply = await self.client.post_json(
+                engine,
+                "/tokenize",
+                body,
+                within=self.remote_timeout,
+                max_bytes=_ANSWER_BYTES_PER_BYTE * len(body) + _ANSWER_SLACK,
+            )
+            if reply.status != 200:
+                if reply.status >= 500 or reply.status == 404:
+                    self._cool(engine, f"HTTP {reply.status}")
+                else:  # the prompt's problem; the engine will tell the client when it serves it
+                    log.debug("engine %s: /tokenize answered %d", engine, reply.status)
+                return None
+            tokens = reply.json()["tokens"]
             if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
                 raise ValueError("'tokens' is not a list of token ids")
             return tuple(tokens)
         except TimeoutError:
             self._cool(engine, f"no answer within {self.remote_timeout:g} s")
-        except (aiohttp.ClientError, ValueError, KeyError, TypeError) as exc:
+        except BodyTooLarge as exc:  # a prompt that renders to far more than it holds: not the engine's fault
+            log.debug("engine %s: /tokenize %s", engine, exc)
+        except (UpstreamError, ValueError, KeyError, TypeError) as exc:
             self._cool(engine, repr(exc))
         return None
 

@@ -1,32 +1,17 @@
 """Scrape every engine's /metrics on a timer; keep ``EngineState.metrics``, ``metrics_stale`` and ``healthy``.
 
-Each round (every ``interval``, default 1 s) asks ``states()`` for the current engines, so engines added or
-removed at runtime are picked up within a round, and starts one scrape per engine after a random delay in
-``[0, jitter]`` (default 0.2 * interval) so that engines are not scraped in lockstep. A scrape is bounded by
-``timeout`` (default 0.5 s) from connect to the last byte, and by ``max_bytes``. An engine whose previous
-scrape is still running is skipped for the round: at most one scrape per engine is in flight, and a slow
-engine delays nobody else. Requests go through the ``aiohttp.ClientSession`` given, or through a
-`MetricsFetch` (the router passes one over its lean HTTP client: 0.4x of aiohttp's CPU per fetch).
-Either way, give the scraper connections the proxy's traffic cannot exhaust, or scrapes queue behind
-requests.
+Each round (every ``interval``) takes the current engines from ``states()`` and scrapes each after a random
+delay in ``[0, jitter]``, through the `UpstreamPool` given (give it connections proxied traffic cannot
+exhaust). A scrape is bounded by ``timeout`` from connect to the last byte (connecting alone by half of it)
+and by ``max_bytes``; an engine whose scrape is still running is skipped for the round.
 
-What a scrape changes:
-
-- success: ``metrics`` = a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
-- failure: the last reading is kept but goes stale once older than ``stale_after`` (default 3 * interval);
-  stale signals read as unknown (scorers treat them as saturated), never as idle. After ``unhealthy_after``
-  consecutive connection failures (default 5: nothing listens there, the host drops packets so connecting
-  never completes, or the engine URL is unusable, such as port 99999) ``healthy`` = False. A ``MetricsFetch``
-  must give up connecting before ``timeout`` does (the router's allows half of it) and say "connect":
-  a scrape cut short by ``timeout`` counts as "timeout" whatever it was waiting for. Any other failure
-  (timeout, HTTP error status, unreadable body, unknown engine type) leaves health alone: the engine is
-  there, only its load is unknown; a hung engine is caught by the proxy's timeouts and circuit breaker.
-
+- success: a fresh ``MetricsReading``, ``metrics_stale`` = False, ``healthy`` = True.
+- failure: the last reading goes stale after ``stale_after`` (stale signals read as unknown, never idle).
+  ``unhealthy_after`` consecutive "connect" failures (nothing listens, connecting times out, unusable URL)
+  set ``healthy`` = False; any other failure leaves health alone (the engine is there, its load unknown).
 Failure reasons (``ScrapeObserver.on_scrape``): ``timeout``, ``connect``, ``http_<status>``, ``too_large``,
-``parse``, ``unknown_engine_type``, ``client_error``.
-
-An expected metric name the engine does not export is logged once per engine and name, with what was found
-instead (a legacy alias, or nothing), and reported through ``ScrapeObserver.on_missing``.
+``parse``, ``unknown_engine_type``, ``client_error``. An expected metric the engine lacks is logged once per
+engine and name, with what was found instead, and reported through ``ScrapeObserver.on_missing``.
 """
 
 from __future__ import annotations
@@ -36,21 +21,21 @@ import contextlib
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
-
-import aiohttp
 
 from kvstack.engines.catalog import MetricCatalog, catalog_for
 from kvstack.engines.metrics_reader import CatalogReading, MetricsParseError, read_signals
 from kvstack.engines.state import EngineState, MetricsReading
+from kvstack.http.client import BodyTooLarge, ConnectFailed, UpstreamError, UpstreamPool, UpstreamTimeout
 
-__all__ = ["MetricsFetch", "MetricsScraper", "ScrapeFailed", "ScrapeObserver", "check_answer", "read_capped"]
+__all__ = ["MetricsScraper", "ScrapeObserver"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024  # vLLM's dump is tens of KB; this only stops a runaway body
+_ACCEPT_TEXT = (("Accept", "text/plain"),)
 
 
 class ScrapeObserver(Protocol):
@@ -67,34 +52,12 @@ class ScrapeObserver(Protocol):
 
 class ScrapeFailed(Exception):
     """A scrape that failed: ``reason`` is its label (module docstring), ``reached`` says the engine
-    answered (a failure of its metrics, not of its health). A `MetricsFetch` raises it."""
+    answered (a failure of its metrics, not of its health)."""
 
     def __init__(self, reason: str, detail: str, *, reached: bool) -> None:
         super().__init__(detail)
         self.reason = reason
         self.reached = reached
-
-
-# (engine base URL, max_bytes) -> the body of its /metrics, or ScrapeFailed; the scraper bounds the time.
-MetricsFetch = Callable[[str, int], Awaitable[bytes]]
-
-
-def check_answer(status: int, content_length: int | None, max_bytes: int) -> None:
-    """Raise `ScrapeFailed` unless a /metrics answer's status and announced length are acceptable."""
-    if status != 200:
-        raise ScrapeFailed(f"http_{status}", f"/metrics answered {status}", reached=False)
-    if (content_length or 0) > max_bytes:
-        raise ScrapeFailed("too_large", f"body of {content_length} bytes", reached=True)
-
-
-async def read_capped(readany: Callable[[], Awaitable[bytes]], max_bytes: int) -> bytes:
-    """The body, piece by piece from ``readany`` (``b""`` at the end); `ScrapeFailed` past ``max_bytes``."""
-    body = bytearray()
-    while chunk := await readany():
-        body += chunk
-        if len(body) > max_bytes:
-            raise ScrapeFailed("too_large", f"body over {max_bytes} bytes", reached=True)
-    return bytes(body)
 
 
 @dataclass
@@ -112,7 +75,7 @@ class MetricsScraper:
 
     def __init__(
         self,
-        client: aiohttp.ClientSession | MetricsFetch,
+        client: UpstreamPool,
         states: Callable[[], Iterable[EngineState]],
         *,
         interval: float = 1.0,
@@ -126,9 +89,7 @@ class MetricsScraper:
     ) -> None:
         if interval <= 0 or timeout <= 0 or unhealthy_after < 1 or max_bytes < 1:
             raise ValueError("interval, timeout, unhealthy_after and max_bytes must be positive")
-        self._get: MetricsFetch = (
-            self._aiohttp_get(client) if isinstance(client, aiohttp.ClientSession) else client
-        )
+        self._client = client
         self._states = states
         self.interval = interval
         self.timeout = timeout
@@ -246,31 +207,31 @@ class MetricsScraper:
 
     async def _fetch(self, url: str) -> str:
         try:
-            async with asyncio.timeout(self.timeout):
-                body = await self._get(url, self.max_bytes)
-        except TimeoutError as exc:
-            raise ScrapeFailed(
-                "timeout", f"no complete answer within {self.timeout:g} s", reached=False
-            ) from exc
-        return body.decode("utf-8", errors="replace")
-
-    @staticmethod
-    def _aiohttp_get(session: aiohttp.ClientSession) -> MetricsFetch:
-        async def get(url: str, max_bytes: int) -> bytes:
-            try:
-                async with session.get(
-                    f"{url}/metrics", headers={"Accept": "text/plain"}, allow_redirects=False
-                ) as resp:
-                    check_answer(resp.status, resp.content_length, max_bytes)
-                    return await read_capped(resp.content.readany, max_bytes)
-            except aiohttp.InvalidURL as exc:
-                raise ScrapeFailed("connect", f"unusable engine URL {exc}", reached=False) from exc
-            except aiohttp.ClientConnectionError as exc:
-                raise ScrapeFailed("connect", str(exc) or type(exc).__name__, reached=False) from exc
-            except aiohttp.ClientError as exc:
-                raise ScrapeFailed("client_error", str(exc) or type(exc).__name__, reached=False) from exc
-
-        return get
+            reply = await self._client.get(
+                url,
+                "/metrics",
+                headers=_ACCEPT_TEXT,
+                within=self.timeout,
+                # A host that drops packets (the connect never completes) fails as "connect", which marks
+                # the engine unhealthy, not as "timeout", which only makes its load unknown.
+                connect_timeout=self.timeout / 2,
+                max_bytes=self.max_bytes,
+            )
+        except ConnectFailed as exc:
+            raise ScrapeFailed("connect", str(exc), reached=False) from exc
+        except UpstreamTimeout as exc:
+            raise ScrapeFailed("timeout", str(exc), reached=False) from exc
+        except BodyTooLarge as exc:
+            if exc.status != 200:
+                raise ScrapeFailed(
+                    f"http_{exc.status}", f"/metrics answered {exc.status}", reached=False
+                ) from exc
+            raise ScrapeFailed("too_large", str(exc), reached=True) from exc
+        except UpstreamError as exc:
+            raise ScrapeFailed("client_error", str(exc), reached=False) from exc
+        if reply.status != 200:
+            raise ScrapeFailed(f"http_{reply.status}", f"/metrics answered {reply.status}", reached=False)
+        return reply.body.decode("utf-8", errors="replace")
 
     def _succeeded(
         self, state: EngineState, catalog: MetricCatalog, reading: CatalogReading, started: float

@@ -1,34 +1,27 @@
-"""A lean HTTP/1.1 client for the proxy's one job: send a request to an engine, relay the answer.
+"""kvstack's HTTP/1.1 client to engines: pooled keep-alive connections, parsed by llhttp (``httptools``).
 
-The router's general-purpose client (aiohttp) does far more per request than forwarding needs: request and
-response objects, cookie jars, URL objects, tracing hooks, a payload registry. Here a request is one
-pre-built header block and the body, written with one ``writelines``; the answer is parsed by llhttp
-(``httptools``) straight into a status, a header list and body pieces. Connections are kept alive and pooled
-per engine origin.
-
-- ``UpstreamPool.request`` connects (or reuses an idle connection), sends, and returns an
-  ``UpstreamResponse`` once the status line and headers arrived. Errors: ``ConnectFailed`` (nothing was
-  sent; subclasses ``ConnectTimedOut``: connecting took ``connect_timeout``, and ``CannotSend``: the request
-  cannot be built, e.g. for an engine URL with port 99999), ``UpstreamBroken`` (the connection failed or
-  the answer was not HTTP).
-- A pooled connection the engine closed while it sat idle fails before any answer byte; that one request is
-  sent again once on a new connection (the engine never saw it).
-- Reading: ``read()`` returns the whole body, ``readany()`` the next piece (``b""`` at the end). Reading
-  stops (``pause_reading``) while more than ``READ_HIGH_WATER`` bytes wait for the caller, so a slow client
-  cannot make the router buffer an engine's stream.
-- ``release()`` puts the connection back only when its answer was read to the end and both sides keep it
-  alive; anything else closes it. ``close()`` always closes: for a stream the client left, closing is how
-  the engine learns to abort.
-- Bounded: at most ``max_idle_per_origin`` idle connections per engine, each idle at most ``idle_timeout``
-  seconds; ``max_connections`` in use and idle together (0 = unlimited), waited for in order.
+- ``UpstreamPool.request`` sends one request (one pre-built header block and the body) and returns an
+  ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()``, and
+  reading pauses while more than ``READ_HIGH_WATER`` bytes wait for the caller. The proxy relays with it.
+- ``UpstreamPool.get`` / ``post_json``: a side call (/metrics, /v1/models, /tokenize, /kv_event_sources)
+  returning the whole ``Reply`` (status, headers, body) within a total time ``within``, the body at most
+  ``max_bytes``. Any status is a reply; the caller judges it.
+- Errors (``UpstreamError``, ``reason`` a metric label): ``ConnectFailed`` (nothing sent; ``ConnectTimedOut``,
+  ``CannotSend`` for an unusable engine URL), ``UpstreamBroken``, ``UpstreamTimeout``, ``BodyTooLarge``.
+- A pooled connection the engine closed while idle is replaced once (the engine never saw the request).
+  ``release()`` pools a connection whose answer was read to the end; ``close()`` closes it, which is how an
+  engine learns a client left. At most ``max_idle_per_origin`` idle connections per engine, each idle at
+  most ``idle_timeout`` s; ``max_connections`` in use and idle together (0 = unlimited).
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import ssl
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -36,10 +29,12 @@ from urllib.parse import urlsplit
 import httptools
 
 __all__ = [
+    "BodyTooLarge",
     "CannotSend",
     "ConnectFailed",
     "ConnectTimedOut",
     "Origin",
+    "Reply",
     "UpstreamBroken",
     "UpstreamError",
     "UpstreamPool",
@@ -81,6 +76,36 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(message)
         self.reason = reason
+
+
+class BodyTooLarge(UpstreamError):
+    """A side call's answer (of ``status``) announced or sent more than its ``max_bytes``."""
+
+    reason = "too_large"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A side call's whole answer."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        """The first header named ``name`` (lower case)."""
+        for key, value in self.headers:
+            if key.lower() == name:
+                return value
+        return None
+
+    def json(self) -> Any:
+        """The body as JSON; ``ValueError`` (or ``RecursionError``) when it is not."""
+        return json.loads(self.body)
 
 
 @dataclass(frozen=True, slots=True)
@@ -492,6 +517,91 @@ class UpstreamPool:
             return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
 
+    async def get(
+        self,
+        base_url: str,
+        path: str,
+        *,
+        within: float,
+        max_bytes: int,
+        headers: Sequence[tuple[str, str]] = (),
+        connect_timeout: float | None = None,
+    ) -> Reply:
+        """GET ``path`` of an engine, the whole answer within ``within`` s (see ``side_call``)."""
+        return await self.side_call(
+            "GET",
+            base_url,
+            path,
+            b"",
+            headers,
+            within=within,
+            max_bytes=max_bytes,
+            connect_timeout=connect_timeout,
+        )
+
+    async def post_json(
+        self,
+        base_url: str,
+        path: str,
+        body: bytes,
+        *,
+        within: float,
+        max_bytes: int,
+        headers: Sequence[tuple[str, str]] = (),
+        connect_timeout: float | None = None,
+    ) -> Reply:
+        """POST an encoded JSON ``body`` to ``path`` of an engine (see ``side_call``)."""
+        return await self.side_call(
+            "POST",
+            base_url,
+            path,
+            body,
+            [("Content-Type", "application/json"), *headers],
+            within=within,
+            max_bytes=max_bytes,
+            connect_timeout=connect_timeout,
+        )
+
+    async def side_call(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: Sequence[tuple[str, str]],
+        *,
+        within: float,
+        max_bytes: int,
+        connect_timeout: float | None = None,
+    ) -> Reply:
+        """One request and its whole answer, any status.
+
+        ``within`` (seconds) bounds everything, connecting to the last byte (``UpstreamTimeout("timeout")``);
+        ``connect_timeout`` (default ``within``) connecting alone (``ConnectTimedOut``). An answer announcing
+        or sending more than ``max_bytes`` is ``BodyTooLarge``. A failed call closes its connection.
+        """
+        try:
+            async with asyncio.timeout(within):
+                resp = await self.request(
+                    base_url,
+                    path,
+                    list(headers),
+                    body,
+                    connect_timeout=within if connect_timeout is None else connect_timeout,
+                    method=method,
+                )
+                try:
+                    data = await _read_capped(resp, max_bytes)
+                except BaseException:
+                    resp.close()
+                    raise
+        except UpstreamError:
+            raise
+        except TimeoutError:
+            raise UpstreamTimeout("timeout", f"no complete answer within {within:g} s") from None
+        resp.release()
+        return Reply(resp.status, resp.headers, data)
+
     def _take_idle(self, origin: Origin) -> _Connection | None:
         queue = self._idle_conns.get(origin)
         if not queue:
@@ -580,6 +690,17 @@ class UpstreamPool:
         for conn in list(self._open):
             conn.close()
         self._idle_conns.clear()
+
+
+async def _read_capped(resp: UpstreamResponse, max_bytes: int) -> bytes:
+    if (resp.content_length or 0) > max_bytes:
+        raise BodyTooLarge(resp.status, f"answer of {resp.content_length} bytes (at most {max_bytes} taken)")
+    body = bytearray()
+    while chunk := await resp.readany():
+        body += chunk
+        if len(body) > max_bytes:
+            raise BodyTooLarge(resp.status, f"answer over {max_bytes} bytes")
+    return bytes(body)
 
 
 def _request_head(

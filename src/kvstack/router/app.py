@@ -1,9 +1,6 @@
 """The router's HTTP data plane: OpenAI endpoints proxied to the engine scheduling picks.
 
-Served by kvstack's own HTTP/1.1 server (`kvstack.http.server`), not aiohttp's: on the proxied routes
-aiohttp's server cost more CPU than routing and relaying together. aiohttp stays the client for the
-router's own calls to engines (models, scrapes, KV event sources, remote tokenization).
-
+Served by `kvstack.http.server`; engines' models are learned through the side-call `UpstreamPool`.
 Routes:
 - POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses, /tokenize, /detokenize:
   parsed just enough to route (model, stream, session key, prompt), then proxied;
@@ -15,9 +12,8 @@ Routes:
 Access (``Authorization: Bearer``): client API keys, when configured, are needed everywhere but /health,
 /ready and /metrics. The admin routes need ``admin_key`` when it is set; without one they need a client API
 key when those are configured, and are open only when neither is.
-Every error is OpenAI error JSON. Proxied requests carry ``x-request-id`` to the engine and back on every
-answer, the router's own errors included: the client's value when it is at most 256 printable ASCII
-characters, else a generated ``kvs-...`` id.
+Every error is OpenAI error JSON. ``x-request-id`` goes to the engine and back on every answer: the
+client's value when it is at most 256 printable ASCII characters, else a generated ``kvs-...`` id.
 """
 
 from __future__ import annotations
@@ -34,11 +30,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import aiohttp
 import msgspec
 
+from kvstack.backoff import Backoff, BackoffSequence
 from kvstack.engines.specs import EngineSpecError, build_endpoint
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.http.client import UpstreamError, UpstreamPool
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -67,6 +64,8 @@ PROXIED_PATHS = (
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
+MODELS_MAX_BYTES = 4 << 20  # /v1/models: a few hundred bytes per model or adapter
+MODELS_RETRY_MAX_S = 5.0  # an engine that never answered /v1/models is asked again at least this often
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +116,7 @@ class RouterApp:
         proxy: Proxy,
         admission: AdmissionController,
         metrics: RouterMetrics,
-        session: aiohttp.ClientSession,
+        client: UpstreamPool,
         *,
         expected_models: frozenset[str] = frozenset(),
         extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
@@ -131,7 +130,7 @@ class RouterApp:
         self.proxy = proxy
         self.admission = admission
         self.metrics = metrics
-        self.session = session
+        self.client = client
         self.expected_models = expected_models
         self.extra_state = extra_state
         self.listeners = tuple(listeners)
@@ -240,31 +239,29 @@ class RouterApp:
 
     async def _refresh_models(self, url: str) -> None:
         """Learn an engine's served models from its /v1/models, quickly at first, then periodically."""
-        delay = 0.2
+        retry = _models_retry(0.2)
         while True:
             entry = self.registry.get(url)
             if entry is None:
                 return
+            answered = False
             try:
-                timeout = aiohttp.ClientTimeout(total=self.config.models_timeout_s)
-                async with self.session.get(f"{url}/v1/models", timeout=timeout) as resp:
-                    data = await resp.json(content_type=None)
-                models = frozenset(m["id"] for m in data["data"])
+                reply = await self.client.get(
+                    url, "/v1/models", within=self.config.models_timeout_s, max_bytes=MODELS_MAX_BYTES
+                )
+                if reply.status != 200:
+                    raise UpstreamError(f"answered HTTP {reply.status}")
+                models = frozenset(m["id"] for m in reply.json()["data"])
                 if models != entry.state.endpoint.models:
                     self.registry.upsert(_replace_models(entry.state.endpoint, models))
-                delay = self.config.models_refresh_s
-            except (
-                aiohttp.ClientError,
-                TimeoutError,
-                ValueError,
-                KeyError,
-                TypeError,
-                RecursionError,
-            ) as exc:
+                answered = True
+            except (UpstreamError, ValueError, KeyError, TypeError, RecursionError) as exc:
                 log.debug("engine %s: /v1/models failed: %r", url, exc)
-                delay = (
-                    min(delay * 2, 5.0) if not entry.state.endpoint.models else self.config.models_refresh_s
-                )
+            if answered or entry.state.endpoint.models:
+                delay = self.config.models_refresh_s
+                retry = _models_retry(delay)
+            else:
+                delay = retry.next()
             await asyncio.sleep(delay)
 
     # -- handlers ----------------------------------------------------------------------------------
@@ -516,6 +513,11 @@ def _endpoint_of(body: dict[str, Any]) -> Endpoint:
 def _warn_kv_events_alias() -> None:
     """Once per process: clients that still send the old name should learn the new one."""
     log.warning("POST /admin/engines: %s is deprecated; send kv_events instead", KV_EVENTS_ALIAS)
+
+
+def _models_retry(after: float) -> BackoffSequence:
+    """Retries of an engine with no models yet: doubling from ``after`` s, up to ``MODELS_RETRY_MAX_S``."""
+    return Backoff(min(2 * after, MODELS_RETRY_MAX_S), MODELS_RETRY_MAX_S).sequence()
 
 
 def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:

@@ -1,10 +1,11 @@
 """One KV-event subscriber per engine and per cache server, started and stopped as they come and go.
 
 An engine's events come from its configured endpoint (``Endpoint.kv_events_endpoint``), else from what its
-``/kv_event_sources`` names (asked again with ``resolve_backoff`` until it names a source); once sources are
-known the engine's routing knowledge is "kv-events". Removing an engine closes its subscriber at once and
-drops its index entries, so an engine added again under the same URL starts clean. A cache server's stream
-(`CacheEvents`) is indexed as the location ``cache+<endpoint>`` on its node.
+``/kv_event_sources`` names (a side call through the router's `UpstreamPool`, within ``sources_timeout``;
+asked again with ``resolve_backoff`` until it names a source); once sources are known the engine's routing
+knowledge is "kv-events". Removing an engine closes its subscriber at once and drops its index entries, so an
+engine added again under the same URL starts clean. A cache server's stream (`CacheEvents`) is indexed as the
+location ``cache+<endpoint>`` on its node.
 """
 
 from __future__ import annotations
@@ -14,11 +15,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 import zmq.asyncio
 
 from kvstack.backoff import Backoff
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.http.client import UpstreamError, UpstreamPool
 from kvstack.kvevents.subscriber import (
     RESOLVE_BACKOFF,
     EventSource,
@@ -31,6 +32,8 @@ from kvstack.router.prefix import PrefixLocator
 log = logging.getLogger(__name__)
 
 __all__ = ["CacheEvents", "KVEventFeeds"]
+
+SOURCES_MAX_BYTES = 1 << 20  # one small object per data-parallel rank
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,7 +67,7 @@ class KVEventFeeds:
     def __init__(
         self,
         locator: PrefixLocator,
-        session: aiohttp.ClientSession,
+        client: UpstreamPool,
         state_of: Callable[[str], EngineState | None],
         *,
         observer: KVEventObserver | None = None,
@@ -72,7 +75,7 @@ class KVEventFeeds:
         resolve_backoff: Backoff = RESOLVE_BACKOFF,
     ) -> None:
         self.locator = locator
-        self.session = session
+        self.client = client
         self.state_of = state_of
         self.observer = observer
         self.sources_timeout = sources_timeout
@@ -135,12 +138,14 @@ class KVEventFeeds:
         self.locator.forget(url)
 
     async def _fetch_sources(self, url: str) -> list[EventSource]:
-        timeout = aiohttp.ClientTimeout(total=self.sources_timeout)
-        async with self.session.get(f"{url}/kv_event_sources", timeout=timeout) as resp:
-            if resp.status == 404:
-                return []  # an engine without the endpoint (not vLLM, or older): no events
-            resp.raise_for_status()
-            sources = resolve_sources(url, await resp.json(content_type=None))
+        reply = await self.client.get(
+            url, "/kv_event_sources", within=self.sources_timeout, max_bytes=SOURCES_MAX_BYTES
+        )
+        if reply.status == 404:
+            return []  # an engine without the endpoint (not vLLM, or older): no events
+        if reply.status >= 400:
+            raise UpstreamError(f"/kv_event_sources answered HTTP {reply.status}")
+        sources = resolve_sources(url, reply.json())
         if sources:
             self._mark(url)
         return sources

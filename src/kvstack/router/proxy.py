@@ -1,23 +1,18 @@
 """Forwarding one request to an engine: streaming passthrough, timeouts, retries and aborts.
 
-- Bytes are relayed as they arrive (chunked bodies as read; SSE in whole events: the unfinished tail of
-  an event waits for its end, up to ``SSE_HOLD_MAX`` bytes); nothing else is buffered beyond one read.
-- Timeouts: connect, first byte (request sent -> response headers), idle gap between body reads, and a
-  total deadline. Each can be overridden per request by headers ``x-kvstack-timeout-{connect,first-byte,
-  idle,total}`` (seconds). The total deadline also runs while the router waits for a client to take
-  what it sent: a client that stops reading is cut off at the deadline (engine request aborted too).
-- Retries go to the next candidate engine, only before any byte reached the client, for connect
-  errors, first-byte timeouts and statuses 429, 502, 503, 504; exponential backoff with full jitter.
-  When every attempt failed, the last engine response is passed on (wrapped in OpenAI error JSON when
-  its body is not JSON), or a 502/504 OpenAI error.
-- The circuit breaker hears every outcome except client errors (4xx), client disconnects and
-  timeouts the client caused: a per-request timeout header shorter than the router's own setting, or
-  a deadline missed waiting for the client. A timeout at the router's configured values counts.
-- A client that goes away (the handler is cancelled, or a write fails) closes the upstream connection,
-  which is how vLLM learns to abort the request.
-- After bytes were sent, an upstream failure cannot change the status: a stream gets a final SSE error
-  event then ``data: [DONE]`` (as vLLM ends a failed stream); a plain body ends short. Never a hang: the
-  idle timeout bounds every wait for the engine, the total deadline every wait for the client.
+- Bytes are relayed as they arrive (SSE in whole events: an event's unfinished tail waits for its end, up
+  to ``SSE_HOLD_MAX`` bytes). Timeouts: connect, first byte, idle gap between body reads and a total
+  deadline (which also bounds waiting for a client to take what was sent); each can be set per request
+  by headers ``x-kvstack-timeout-{connect,first-byte,idle,total}`` (seconds).
+- Retries go to the next candidate, only before any byte reached the client, for connect errors, first-byte
+  timeouts and statuses 429, 502, 503, 504, after ``RetryPolicy.backoff`` (full jitter). When every attempt
+  failed, the last engine answer is passed on (as OpenAI error JSON if it is not JSON), or a 502/504.
+- The circuit breaker hears every outcome except client errors (4xx), client disconnects and timeouts the
+  client caused (a shorter timeout header, a deadline missed waiting for the client).
+- A client that goes away closes the upstream connection, which is how vLLM learns to abort. After bytes
+  were sent, an upstream failure ends a stream with an SSE error event and ``data: [DONE]``, a plain body
+  short. Never a hang: the idle timeout bounds every wait for the engine, the deadline every wait for the
+  client.
 """
 
 from __future__ import annotations
@@ -32,6 +27,7 @@ from typing import Literal
 
 import msgspec
 
+from kvstack.backoff import Backoff
 from kvstack.http.client import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
 from kvstack.http.server import Connection
 from kvstack.openai import errors
@@ -127,9 +123,10 @@ class RetryPolicy:
     backoff_base: float = 0.02
     backoff_max: float = 1.0
 
-    def backoff(self, attempt: int, rng: random.Random) -> float:
-        """Full jitter: uniform in [0, min(max, base * 2^attempt)]."""
-        return rng.uniform(0, min(self.backoff_max, self.backoff_base * (2**attempt)))
+    @property
+    def backoff(self) -> Backoff:
+        """Delay before retry n (from 0), full jitter: uniform in [0, min(max, base * 2^n)]."""
+        return Backoff(self.backoff_base, self.backoff_max, jitter=(0.0, 1.0))
 
 
 @dataclass(slots=True)
@@ -169,6 +166,7 @@ class Proxy:
         self.metrics = metrics
         self.timeouts = timeouts or Timeouts()
         self.retry = retry or RetryPolicy()
+        self._backoff = self.retry.backoff
         self._rng = rng or random.Random()
         self._clock = clock
 
@@ -199,7 +197,7 @@ class Proxy:
                 continue
             if tried:
                 self.metrics.retries.labels(reason=last_error.reason if last_error else "unknown").inc()
-                await asyncio.sleep(self.retry.backoff(tried - 1, self._rng))
+                await asyncio.sleep(self._backoff.delay(tried - 1, self._rng))
             tried += 1
             outcome.attempts = tried
             outcome.engine = url

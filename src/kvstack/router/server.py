@@ -1,6 +1,6 @@
-"""Assemble and run the router: the upstream connection pool, one aiohttp client session, the registry,
-scheduling, proxy, admission, metrics and the engine-state background tasks, all built here and passed in
-(no globals).
+"""Assemble and run the router: two connection pools (proxied requests; side calls to engines: scrapes,
+/v1/models, /tokenize, /kv_event_sources), the registry, scheduling, proxy, admission, metrics and the
+engine-state background tasks, all built here and passed in (no globals).
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
-import aiohttp
-
 from kvstack.engines.discovery import Discovery, DiscoveryUpdate, UpdateKind
 from kvstack.engines.prompt_tokens import PromptTokenizer
-from kvstack.engines.scraper import MetricsFetch, MetricsScraper, ScrapeFailed, check_answer, read_capped
+from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
-from kvstack.http.client import ConnectFailed, UpstreamError, UpstreamPool
+from kvstack.http.client import UpstreamPool
 from kvstack.http.server import HttpServer
 from kvstack.index.history import HistoryIndex
 from kvstack.index.prefix_index import PrefixIndex
@@ -81,9 +79,8 @@ class RunningRouter:
     url: str
     app: RouterApp
     server: HttpServer
-    session: aiohttp.ClientSession
+    side_calls: UpstreamPool
     scraper: MetricsScraper
-    scrape_pool: UpstreamPool
     discovery: Discovery | None = None
     feeds: KVEventFeeds | None = None
     prompts: PromptTokenizer | None = None
@@ -107,16 +104,14 @@ class RunningRouter:
         finally:  # connections are released even when a step above failed or was cancelled
             if self.upstream is not None:
                 await self.upstream.close()
-            await self.session.close()
-            await self.scrape_pool.close()
+            await self.side_calls.close()
 
 
 async def start_router(opts: RouterOptions) -> RunningRouter:
-    # Proxied requests go through the lean pool; the session serves the router's own calls to engines
-    # (models, KV event sources, remote tokenization), each with its own timeout.
     upstream = UpstreamPool(max_connections=opts.connection_limit)
-    connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-    session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    # The router's own calls to engines use their own connections, so that thousands of proxied streams
+    # cannot starve them (or their scrapes queue behind requests); each call has its own timeout.
+    side_calls = UpstreamPool(idle_timeout=max(30.0, 3 * opts.scrape_interval))
     group = None if opts.group is None else WorkerGroup(opts.group)
     registry = EngineRegistry(
         opts.circuit,
@@ -135,12 +130,12 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     locator = PrefixLocator(
         PrefixIndex(opts.index_max_entries), HistoryIndex(opts.history_max_blocks, opts.history_ttl)
     )
-    prompts = _prompt_tokenizer(opts, session, registry, metrics)
+    prompts = _prompt_tokenizer(opts, side_calls, registry, metrics)
     picker = SchedulerPicker(
         scheduler, kv_scheduler=kv_scheduler, prompts=prompts, locator=opts.prefix_source or locator
     )
     feeds = (
-        KVEventFeeds(locator, session, lambda url: _state(registry, url), observer=metrics)
+        KVEventFeeds(locator, side_calls, lambda url: _state(registry, url), observer=metrics)
         if opts.kv_events and picker.needs_prefix
         else None
     )
@@ -159,7 +154,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         proxy,
         admission,
         metrics,
-        session,
+        side_calls,
         expected_models=opts.expected_models,
         extra_state=lambda state: _prefix_state(state, feeds, locator),
         # Without event feeds (which forget a removed engine's entries), the locator forgets its history.
@@ -177,7 +172,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     except BaseException:
         await server.close()
         await upstream.close()
-        await session.close()
+        await side_calls.close()
         if group is not None:
             await group.stop()
         raise
@@ -195,14 +190,8 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
                 router.add_engine(update.endpoint)
 
         opts.discovery.start(on_update)
-    # Scrapes use their own connections (one kept alive per engine) so that thousands of proxied streams
-    # cannot starve them, over the lean client: 0.4x of aiohttp's CPU per fetch.
-    scrape_pool = UpstreamPool(max_idle_per_origin=1, idle_timeout=max(30.0, 3 * opts.scrape_interval))
     scraper = MetricsScraper(
-        # Connecting gets half the scrape's time, so a host that drops packets (the connect never completes)
-        # fails as "connect", which marks the engine unhealthy, not as "timeout", which only makes its
-        # load unknown. An engine a round trip away connects in far less.
-        lean_metrics_fetch(scrape_pool, opts.scrape_timeout / 2),
+        side_calls,
         registry.states,
         interval=opts.scrape_interval,
         timeout=opts.scrape_timeout,
@@ -214,9 +203,8 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         f"http://{opts.host}:{port}",
         router,
         server,
-        session,
+        side_calls,
         scraper,
-        scrape_pool,
         opts.discovery,
         feeds,
         prompts,
@@ -224,37 +212,6 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         group,
         upstream,
     )
-
-
-_ACCEPT_TEXT = [("Accept", "text/plain")]
-
-
-def lean_metrics_fetch(pool: UpstreamPool, connect_timeout: float) -> MetricsFetch:
-    """GET an engine's /metrics through ``pool``, failures as the scraper's reasons (the scraper bounds
-    the whole call in time; a cancelled call closes its connection)."""
-
-    async def get(url: str, max_bytes: int) -> bytes:
-        try:
-            resp = await pool.request(
-                url, "/metrics", _ACCEPT_TEXT, b"", connect_timeout=connect_timeout, method="GET"
-            )
-        except ConnectFailed as exc:
-            raise ScrapeFailed("connect", str(exc), reached=False) from exc
-        except UpstreamError as exc:
-            raise ScrapeFailed("client_error", str(exc), reached=False) from exc
-        try:
-            check_answer(resp.status, resp.content_length, max_bytes)
-            body = await read_capped(resp.readany, max_bytes)
-        except UpstreamError as exc:
-            resp.close()
-            raise ScrapeFailed("client_error", str(exc), reached=False) from exc
-        except BaseException:
-            resp.close()
-            raise
-        resp.release()
-        return body
-
-    return get
 
 
 def _circuit_broadcaster(group: WorkerGroup) -> Callable[[str, float], None]:
@@ -295,7 +252,7 @@ def _state(registry: EngineRegistry, url: str) -> EngineState | None:
 
 
 def _prompt_tokenizer(
-    opts: RouterOptions, session: aiohttp.ClientSession, registry: EngineRegistry, metrics: RouterMetrics
+    opts: RouterOptions, client: UpstreamPool, registry: EngineRegistry, metrics: RouterMetrics
 ) -> PromptTokenizer:
     tokenizers = {model: load_tokenizer(path) for model, path in opts.tokenizers.items() if model != "*"}
     default = opts.tokenizers.get("*")
@@ -313,7 +270,7 @@ def _prompt_tokenizer(
     return PromptTokenizer(
         tokenizers,
         default=None if default is None else load_tokenizer(default),
-        session=session if opts.remote_tokenize else None,
+        client=client if opts.remote_tokenize else None,
         engines_for=engines_for if opts.remote_tokenize else None,
         observe=metrics.tokenized,
     )

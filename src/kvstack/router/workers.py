@@ -1,31 +1,18 @@
 """Several router processes on one port (``--workers N``, SO_REUSEPORT) and the state they share.
 
-The kernel spreads client connections over the workers; each runs the whole router (discovery, scrapes,
-KV-event subscriptions, scheduling, proxy). What would go wrong if each only knew its own share, and how
-it is kept right:
-
-- **Admin changes** (add, remove, drain, undrain an engine) reach one worker; it applies the change and
-  forwards it to every sibling over their control sockets (Unix sockets in the group's private 0700
-  directory), answering only when all have applied it (the answer says how many).
-- **Circuit breakers**: a worker whose breaker opens tells the siblings, which open theirs for the same
-  time, so a dead engine costs the fleet one worker's failures, not N workers'. Half-open probes stay
-  per worker (each finds out for itself that the engine is back).
-- **In-flight requests per engine** (active-requests scoring, queue estimates, /engines): each worker
-  writes its own count into its row of a shared table (``SharedInFlight``, an mmap'd file of
-  workers x slots int32 counters; a worker only ever writes its own row, so no lock is needed) and reads
-  the sum of the other rows.
-- **Metrics**: prometheus_client's multiprocess mode (``PROMETHEUS_MULTIPROC_DIR`` in the group
-  directory), so /metrics on any worker reports the whole router: counters and histograms summed, gauges
-  summed (in-flight, queue) or the worst value (circuit state). The series every request updates are
-  plain numbers in each worker instead (``metrics.WorkerHotSeries``): the worker rendering /metrics asks
-  the others to write theirs to the group directory first, then sums them.
-- **Admission limits** (``--max-in-flight``, ``--max-queue``) are divided between the workers (rounded
-  up), the usual way for processes behind one port: the kernel balances connections, not requests.
-- **Prefix knowledge**: every worker subscribes to the KV events itself, so each holds the same index;
-  the routing history (approximate prefix) is per worker.
-
-The supervisor (the ``kvstack router`` process the user started) creates the directory, starts the
-workers, stops them all when it is stopped or when one dies, and deletes the directory.
+Each worker runs the whole router; the kernel spreads client connections over them. Kept consistent:
+- Admin changes reach one worker, which applies them and forwards them to every sibling over their control
+  sockets (Unix sockets in the group's private 0700 directory, aiohttp on both ends), answering when all
+  have applied them. A sibling still starting is waited for (``Backoff(0.05, 0.5)``) up to ``timeout``.
+- A breaker that opens opens the siblings' breakers for the same time; half-open probes stay per worker.
+- In-flight requests per engine: ``SharedInFlight``, an mmap'd table of workers x slots int32 counters
+  (each worker writes only its own row, reads the sum of the others).
+- Metrics: prometheus_client's multiprocess mode in the group directory; the per-request series are plain
+  numbers in each worker, written there on request (``flush-hot-series``) before /metrics sums them.
+- Admission limits are divided between the workers (rounded up); every worker subscribes to the KV events
+  itself (same index), the routing history is per worker.
+The supervisor creates the directory, starts the workers, stops them all when stopped or when one dies,
+and deletes the directory.
 """
 
 from __future__ import annotations
@@ -46,6 +33,7 @@ import msgspec
 import xxhash
 from aiohttp import web
 
+from kvstack.backoff import Backoff
 from kvstack.openai import errors
 from kvstack.openai.http import json_response
 
@@ -59,6 +47,7 @@ ENV_COUNT = "KVSTACK_WORKER_COUNT"
 METRICS_SUBDIR = "metrics"
 _SLOTS = 65_536
 _CELL = struct.Struct("=i")
+_SIBLING_STARTING = Backoff(0.05, 0.5)  # waits for a sibling whose control socket is not there yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,7 +185,7 @@ class WorkerGroup:
             connector = aiohttp.UnixConnector(path=str(self.config.socket_path(worker)))
             session = self._sessions[worker] = aiohttp.ClientSession(connector=connector)
         timeout = aiohttp.ClientTimeout(total=self.timeout)
-        delay = 0.05
+        waits = _SIBLING_STARTING.sequence()
         deadline = asyncio.get_running_loop().time() + self.timeout
         while True:
             try:
@@ -207,11 +196,11 @@ class WorkerGroup:
                     return False
             except aiohttp.ClientConnectorError as exc:
                 # A sibling still starting has no socket yet: wait for it rather than leave it behind.
+                delay = waits.next()
                 if asyncio.get_running_loop().time() + delay > deadline:
                     log.warning("worker %d did not take %s: %r", worker, op, exc)
                     return False
                 await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
             except (aiohttp.ClientError, TimeoutError) as exc:
                 log.warning("worker %d did not take %s: %r", worker, op, exc)
                 return False
