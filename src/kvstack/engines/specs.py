@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 
 from kvstack.engines.catalog import CATALOGS
 from kvstack.engines.state import Endpoint, EngineRole
-from kvstack.http.client import Origin
+from kvstack.http.origin import Origin
 
 # Engine types with a metric catalog; any other type is a typo, caught when the engine is described.
 ENGINE_TYPES = frozenset(c.engine_type for c in CATALOGS)

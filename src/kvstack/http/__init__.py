@@ -1,7 +1,8 @@
-"""kvstack's own HTTP/1.1: the server the router and picker serve with, and the pooled upstream client.
+"""kvstack's own HTTP/1.1: the server the router serves with, and the pooled client to engines.
 
 - `server`: HTTP/1.1 on uvloop + httptools (llhttp): keep-alive, pipelining, ``Expect: 100-continue``,
   chunked bodies, limits answered as OpenAI error JSON.
-- `client`: `Origin` (a parsed base URL) and a pooled keep-alive client used for proxied requests and for
-  every side call to an engine (/metrics, /v1/models, /tokenize, /kv_event_sources).
+- `client`: `UpstreamPool`, pooled keep-alive connections for proxied requests and for every side call to
+  an engine (/metrics, /v1/models, /tokenize, /kv_event_sources); `origin`: `Origin`, a parsed base URL;
+  `errors`: why a call failed. The client re-exports both, as its methods take and raise them.
 """

@@ -24,9 +24,19 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import urlsplit
 
 import httptools
+
+from kvstack.http.errors import (
+    BodyTooLarge,
+    CannotSend,
+    ConnectFailed,
+    ConnectTimedOut,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamTimeout,
+)
+from kvstack.http.origin import Origin
 
 __all__ = [
     "BodyTooLarge",
@@ -44,48 +54,6 @@ __all__ = [
 
 READ_HIGH_WATER = 1 << 20
 READ_LOW_WATER = READ_HIGH_WATER // 4
-
-
-class UpstreamError(Exception):
-    """A forwarded request failed at the transport or HTTP level; ``reason`` is a short metric label."""
-
-    reason = "upstream_error"
-
-
-class ConnectFailed(UpstreamError):
-    reason = "connect_error"
-
-
-class ConnectTimedOut(ConnectFailed):
-    """Connecting (or waiting for a free connection slot) took ``connect_timeout``."""
-
-
-class CannotSend(ConnectFailed):
-    """The request could not be built for this engine (an unusable base URL); nothing was sent."""
-
-    reason = "cannot_send"
-
-
-class UpstreamBroken(UpstreamError):
-    reason = "upstream_broke"
-
-
-class UpstreamTimeout(UpstreamError, TimeoutError):
-    """The answer's headers (``first_byte_timeout``) or its body (``body_timeout``) did not come in time."""
-
-    def __init__(self, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.reason = reason
-
-
-class BodyTooLarge(UpstreamError):
-    """A side call's answer (of ``status``) announced or sent more than its ``max_bytes``."""
-
-    reason = "too_large"
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,36 +74,6 @@ class Reply:
     def json(self) -> Any:
         """The body as JSON; ``ValueError`` (or ``RecursionError``) when it is not."""
         return json.loads(self.body)
-
-
-@dataclass(frozen=True, slots=True)
-class Origin:
-    """Where an engine base URL points: the connection key, its Host header and its path prefix."""
-
-    scheme: str
-    host: str
-    port: int
-    base_path: str
-    host_header: str
-
-    @classmethod
-    def parse(cls, base_url: str) -> Origin:
-        """The origin of an http(s) base URL; ``ValueError`` saying what is wrong with any other."""
-        if not base_url.isprintable() or any(c.isspace() for c in base_url):
-            # These would end up in the request head sent to the engine.
-            raise ValueError(f"engine URL {base_url!r} contains whitespace or control characters")
-        try:
-            parts = urlsplit(base_url)
-            port = parts.port  # raises for a port out of range or not a number
-        except ValueError as exc:
-            raise ValueError(f"engine URL {base_url!r} is not a valid URL: {exc}") from None
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL {base_url!r} is not http(s)://host[:port][/path]")
-        if port == 0:
-            raise ValueError(f"engine URL {base_url!r} has port 0 (the port must be 1-65535)")
-        host_header = parts.netloc.rpartition("@")[2]
-        port = port or (443 if parts.scheme == "https" else 80)
-        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"), host_header)
 
 
 class UpstreamResponse:
