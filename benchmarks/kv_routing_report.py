@@ -144,7 +144,7 @@ def table_cells(row: dict[str, Any]) -> list[str]:
         _num(row["out_tok_per_s"], 0),
         f"{row['ok']}/{row['sent']}" + (f" ({row['errors']} err)" if row["errors"] else ""),
         _num(row["max_over_mean"]),
-        " ".join(f"{100 * x:.0f}" for x in row["shares"]),
+        " ".join("-" if x is None else f"{100 * x:.0f}" for x in row["shares"]),
         " ".join("-" if x is None else f"{100 * x:.0f}" for x in row["engine_hit_rates"]),
         str(row["preemptions"]),
     ]
