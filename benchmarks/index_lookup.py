@@ -28,6 +28,8 @@ Each block size runs in its own child process (so its RSS is its own), which:
 Lookups make blocks young and never store, so the index stays at its bound. The garbage collector stays on,
 as in the router. Results: a table on stdout and ``bench-results/index_lookup.json``.
 
+The current result, its command, machine and limits: ``docs/benchmarks/index-lookup.md``.
+
     .venvs/dev/bin/python benchmarks/index_lookup.py [--entries N] [--locations N] [--prompt-tokens N]
         [--block-size 128,16] [--lookups N]
 """
@@ -47,12 +49,12 @@ from pathlib import Path
 from typing import Any
 
 from machine_info import machine, machine_cpu_ticks
+from procs import REPO
 from rich.console import Console
 from rich.table import Table
 
 from kvstack.index import BlockKeyer, PrefixIndex, Tier
 
-REPO = Path(__file__).resolve().parents[1]
 NAMESPACE = "bench-model|"
 VOCAB = 150_000
 

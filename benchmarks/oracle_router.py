@@ -65,8 +65,15 @@ class OracleSource:
         self._warned: set[str] = set()
 
     async def find(
-        self, token_ids: Sequence[int], candidates: Sequence[EngineState], now: float
+        self,
+        token_ids: Sequence[int],
+        candidates: Sequence[EngineState],
+        now: float,
+        *,
+        model: str = "",
+        cache_salt: str | None = None,
     ) -> PrefixLookup:
+        """What each routable engine holds of ``token_ids`` now (the sims serve one model, unsalted)."""
         body = msgspec.json.encode({"token_ids": list(token_ids)})
         urls = [e.url for e in candidates if e.routable]
         answers = await asyncio.gather(*(self._cached_tokens(url, body) for url in urls))

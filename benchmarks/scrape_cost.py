@@ -20,6 +20,8 @@ page with 8 data-parallel ranks (every series repeated with ``engine="0".."7"``)
 
 Run: ``.venvs/dev/bin/python benchmarks/scrape_cost.py`` (about 30 s; starts one simulated engine in-process;
 JSON in ``bench-results/scrape_cost.json``).
+
+The current result, its command, machine and limits: ``docs/benchmarks/scrape-cost.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine
+from procs import REPO
 
 from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.catalog import catalog_for
@@ -54,7 +57,6 @@ from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
 
-REPO = Path(__file__).resolve().parent.parent
 MODEL = "tiny"
 VLLM = catalog_for("vllm")
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")

@@ -5,6 +5,8 @@ Run: ``.venvs/dev/bin/python benchmarks/tokenize_cost.py`` (makes the tiny model
 starts one simulated engine in-process for the remote path). Prints a table of p50/p99 per prompt size and
 path, and the longest event-loop stall seen while long prompts are tokenized (offloaded to the worker
 thread above ``inline_chars``).
+
+The current result, its command, machine and limits: ``docs/benchmarks/tokenize-cost.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine_info import machine
+from procs import REPO
 
 from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer
@@ -33,7 +36,6 @@ from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
 
-REPO = Path(__file__).resolve().parents[1]
 PATHS = {
     "local": "local render+encode",
     "cached": "render cache hit",
