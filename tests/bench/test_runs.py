@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from harness import EngineProcess, free_port, start_sim
 from kvstack.bench import (
     BenchConfig,
     BenchResult,
@@ -36,6 +35,8 @@ from kvstack.bench.engine_view import EngineCounters, engine_view, read_counters
 from kvstack.bench.summary import percentile, summarize
 from kvstack.bench.workloads import arrival_times
 from kvstack.engines.catalog import catalog_for
+from support.engines import EngineProcess, start_sim
+from support.ports import free_port
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

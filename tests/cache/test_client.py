@@ -5,16 +5,13 @@ dead server, a killed and restarted server process, and the arena allocator."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from concurrent.futures import Future
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,6 +25,9 @@ from kvstack.cache.client import AsyncCacheClient, CacheClient
 from kvstack.cache.server import CacheServer
 from kvstack.cache.shm import HEADER_BYTES, ArenaAllocator, ClientArena, sweep_orphan_arenas
 from kvstack.cache.tiers import MemoryTier
+from support.cache import RESTART_SECRET, ThreadServer, start_restartable_server
+from support.ports import free_port
+from support.waiting import wait_until
 
 T = TypeVar("T")
 
@@ -38,55 +38,6 @@ def key(i: int, ns: bytes = b"client") -> ChunkKey:
 
 def payload(i: int, size: int = 20_000) -> bytes:
     return blake3(b"payload" + str(i).encode()).digest(length=size)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-class ThreadServer:
-    """A cache server on its own event loop in a thread, for the synchronous client."""
-
-    def __init__(self, bind: str = "tcp://127.0.0.1:0", memory_bytes: int = 64 << 20, **kwargs: Any) -> None:
-        self._bind = bind
-        self._memory = memory_bytes
-        self._kwargs = kwargs
-        self._ready: Future[CacheServer] = Future()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=lambda: asyncio.run(self._main()), daemon=True)
-
-    async def _main(self) -> None:
-        store = TieredStore([MemoryTier(self._memory)])
-        await store.start()
-        server = CacheServer(store, self._bind, **self._kwargs)
-        try:
-            await server.start()
-        except BaseException as e:
-            self._ready.set_exception(e)
-            return
-        self._loop = asyncio.get_running_loop()
-        self._stop = asyncio.Event()
-        self._ready.set_result(server)
-        await self._stop.wait()
-        await server.stop()
-        await store.stop()
-
-    def __enter__(self) -> CacheServer:
-        self._thread.start()
-        return self._ready.result(timeout=10)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._loop is not None and self._stop is not None:
-            self._loop.call_soon_threadsafe(self._stop.set)
-        self._thread.join(timeout=10)
-
-    def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
-        assert self._loop is not None
-        return asyncio.run_coroutine_threadsafe(make(), self._loop).result(timeout=10)
 
 
 @pytest.fixture(scope="module")
@@ -439,75 +390,34 @@ async def test_async_dead_server_and_timeouts() -> None:
 # -- a server process killed and restarted
 
 
-def _start_server_process(port: int, tmp: Path, *extra: str) -> subprocess.Popen[bytes]:
-    """A ``kvstack cache-server`` process on ``port`` (secret ``restart-secret``, node ``proc``)."""
-    (tmp / "secret").write_text("  restart-secret\n")
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvstack.cache.cli",
-        "cache-server",
-        "--bind",
-        f"tcp://127.0.0.1:{port}",
-        *extra,
-        "--memory-gb",
-        "0.05",
-        "--node",
-        "proc",
-        "--secret-file",
-        str(tmp / "secret"),
-        "--log-level",
-        "warning",
-    ]
-    return subprocess.Popen(cmd, stdout=(tmp / "out.log").open("ab"), stderr=subprocess.STDOUT)
-
-
-def _wait_until(check: Callable[[], bool], timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
-
-
 def test_server_killed_and_restarted_client_recovers(tmp_path: Path) -> None:
     port = free_port()
-    proc = _start_server_process(port, tmp_path)
+    server = start_restartable_server(tmp_path, port)
     client = CacheClient(
         f"tcp://127.0.0.1:{port}",
-        secret=b"restart-secret",
+        secret=RESTART_SECRET,
         timeout_s=0.5,
         retry_initial_s=0.05,
         retry_max_s=0.2,
     )
     keys = [key(i, b"restart") for i in range(3)]
     try:
-        _wait_until(lambda: client.put(keys, [payload(i) for i in range(3)]))
+        wait_until(lambda: client.put(keys, [payload(i) for i in range(3)]), what="a first put", timeout_s=15)
         assert client.node == "proc" and client.lookup(keys) == 3
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        server.kill()
         started = time.monotonic()
         assert client.lookup(keys) == 0 and client.get(keys) is None
         assert time.monotonic() - started < 1.5
-        proc = _start_server_process(port, tmp_path)
-        _wait_until(lambda: client.put(keys[:1], [payload(0)]))  # a new process: an empty cache
+        server = start_restartable_server(tmp_path, port)
+        # A new process: an empty cache.
+        wait_until(lambda: client.put(keys[:1], [payload(0)]), what="a put after the restart", timeout_s=15)
         assert client.lookup(keys) == 1
         chunks = client.get(keys)
         assert chunks is not None and [bytes(c) for c in chunks] == [payload(0)]
         assert client.stats.failures.get("timeout", 0) + client.stats.failures.get("unreachable", 0) >= 1
     finally:
         client.close()
-        _stop_server_process(proc, tmp_path)
-
-
-def _stop_server_process(proc: subprocess.Popen[bytes], tmp: Path) -> None:
-    """SIGTERM (SIGKILL after 10 s); the server must have stopped cleanly."""
-    proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=10)
-    if proc.poll() is None:
-        proc.kill()
-    assert proc.returncode in (0, -signal.SIGTERM), (tmp / "out.log").read_text()
+        assert server.stop(10) in (0, -signal.SIGTERM), server.log()
 
 
 # -- the arena allocator (pure)

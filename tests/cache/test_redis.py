@@ -15,7 +15,7 @@ import socket
 import subprocess
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,6 @@ from blake3 import blake3
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.server import CacheServer
@@ -34,6 +33,10 @@ from kvstack.cache.tiers.buffers import BufferPool
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.redis import RedisTier
 from kvstack.cache.tiers.resp import ARENA_VALUE_MAX, RespAddress, RespConnection, pack_command
+from support.cache import TierRecorder
+from support.ports import free_port
+from support.processes import spawn, stop_group
+from support.waiting import eventually
 
 
 def key(i: int) -> ChunkKey:
@@ -42,12 +45,6 @@ def key(i: int) -> ChunkKey:
 
 def payload(i: int, size: int = 3000) -> bytes:
     return blake3(b"payload" + str(i).encode()).digest(length=size)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:
@@ -73,7 +70,7 @@ class RedisServer:
             "no",
         ]
         cmd += ["--dir", str(self.workdir), "--logfile", str(self.workdir / "redis.log")]
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL)
+        self.proc = spawn(cmd)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -91,14 +88,8 @@ class RedisServer:
 
     def stop(self) -> None:
         proc, self.proc = self.proc, None
-        if proc is None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        if proc is not None:
+            stop_group(proc, timeout_s=5)
 
 
 @pytest.fixture(scope="module")
@@ -133,13 +124,6 @@ async def tier(redis_server: RedisServer, request: pytest.FixtureRequest) -> Asy
     yield tier
     await tier.clear()
     await tier.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
-        await asyncio.sleep(0.02)
 
 
 async def test_round_trip_contains_delete_and_stats(tier: RedisTier, raw: aioredis.Redis) -> None:

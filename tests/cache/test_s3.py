@@ -13,13 +13,11 @@ import argparse
 import asyncio
 import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +27,6 @@ from aiobotocore.session import AioSession
 from blake3 import blake3
 from botocore.exceptions import ClientError
 
-from harness import TierRecorder, samples
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.events import medium_of
@@ -37,6 +34,11 @@ from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import MemoryTier
 from kvstack.cache.tiers.record import HEADER_BYTES
 from kvstack.cache.tiers.s3 import S3Tier
+from support.cache import TierRecorder
+from support.metrics import samples
+from support.ports import free_port
+from support.processes import spawn, stop_group
+from support.waiting import eventually
 
 BUCKET = "kvstack-test"
 CREDENTIALS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
@@ -50,12 +52,6 @@ def payload(i: int, size: int = 3000) -> bytes:
     return blake3(b"payload" + str(i).encode()).digest(length=size)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class MotoServer:
     """moto's S3 server in a process of its own, on a fixed port, that can be stopped and started again."""
 
@@ -67,10 +63,7 @@ class MotoServer:
 
     def start(self) -> None:
         cmd = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)]
-        with (self.workdir / "moto.log").open("ab") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        self.proc = spawn(cmd, self.workdir / "moto.log")
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and self.proc.poll() is None:
             try:
@@ -87,19 +80,6 @@ class MotoServer:
         proc, self.proc = self.proc, None
         if proc is not None:
             stop_group(proc, timeout_s=10)
-
-
-def stop_group(proc: subprocess.Popen[bytes], timeout_s: float) -> None:
-    """Stop a process started with ``start_new_session=True`` and anything it started: SIGTERM to its
-    process group (whose id is its PID), SIGKILL after ``timeout_s``."""
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
 
 
 def client_for(moto: MotoServer) -> Any:
@@ -148,13 +128,6 @@ async def tier(moto: MotoServer, raw: Any, request: pytest.FixtureRequest) -> As
     yield tier
     await tier.clear()
     await tier.close()
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"condition not met within {timeout_s}s"
-        await asyncio.sleep(0.05)
 
 
 async def read_object(s3: Any, name: str) -> bytes:
@@ -244,7 +217,7 @@ async def test_requests_in_flight_are_bounded_by_concurrency(moto: MotoServer, r
     async def three_held() -> bool:
         return waiting >= 3
 
-    await eventually(three_held)
+    await eventually(three_held, timeout_s=20, interval_s=0.05)
     for _ in range(20):  # give the 7 others every chance to get past the tier's bound
         await asyncio.sleep(0.01)
     assert waiting == 3 and not reading.done()
@@ -362,7 +335,7 @@ async def test_a_missing_bucket_keeps_the_tier_down_until_it_exists(moto: MotoSe
     async def up() -> bool:
         return tier.up
 
-    await eventually(up)
+    await eventually(up, timeout_s=20, interval_s=0.05)
     assert await tier.put(key(1), payload(1)) and bytes(await tier.get(key(1)) or b"") == payload(1)
     await tier.clear()
     await tier.close()
@@ -463,7 +436,7 @@ async def test_s3_stopped_mid_run_server_keeps_serving_then_recovers(moto: MotoS
         async def back_up() -> bool:
             return (await scrape())["kvstack_cache_tier_up{tier=s3}"] == 1
 
-        await eventually(back_up)
+        await eventually(back_up, timeout_s=20, interval_s=0.05)
         assert await client.put([key(20)], [payload(20)])
         await store.flush()
         assert await object_exists(raw, f"restart/{key(20).hex()}")
@@ -505,8 +478,7 @@ def start_cache_server(moto: MotoServer, port: int, http_port: int, memory_bytes
         "--log-level",
         "warning",
     ]
-    with (workdir / "server.log").open("ab") as log:
-        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    return spawn(cmd, workdir / "server.log", env=env)
 
 
 async def test_cache_server_command_promotes_a_chunk_memory_evicted_from_s3(
@@ -534,7 +506,7 @@ async def test_cache_server_command_promotes_a_chunk_memory_evicted_from_s3(
             async def serving() -> bool:
                 return (await scrape()).get("kvstack_cache_tier_up{tier=s3}") == 1
 
-            await eventually(serving, timeout_s=60)
+            await eventually(serving, timeout_s=60, interval_s=0.05)
             for i, k in enumerate(keys):
                 # One at a time: a chunk queued for S3 holds its memory pages until written.
                 assert await client.put([k], [payload(i, size)])
@@ -542,7 +514,7 @@ async def test_cache_server_command_promotes_a_chunk_memory_evicted_from_s3(
                 async def in_s3(name: str = f"cli/{k.hex()}") -> bool:
                     return await object_exists(raw, name)
 
-                await eventually(in_s3)
+                await eventually(in_s3, timeout_s=20, interval_s=0.05)
             before = await scrape()
             assert before["kvstack_cache_entries{tier=memory}"] == 3
             assert before["kvstack_cache_evictions_total{tier=memory}"] == 3

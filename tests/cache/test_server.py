@@ -9,7 +9,6 @@ import os
 import time
 from array import array
 from collections.abc import AsyncIterator, Sequence
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ from kvstack.cache.protocol import (
     request_mac,
 )
 from kvstack.cache.server import CacheServer
-from kvstack.cache.tiers import DiskTier, MemoryTier, Payload, Tier, TierStats
+from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.redis import RedisTier
 from kvstack.kvevents.codec import (
     AllBlocksCleared,
@@ -43,26 +42,14 @@ from kvstack.kvevents.codec import (
     decode_seq,
 )
 from kvstack.router.prefix import PrefixLocator
+from support.cache import DictTier, serving
 
-CHUNK = 4
+CHUNK = 4  # support.cache.serving's chunk size
 LAYOUT = KVLayout("test-model", num_layers=2, num_kv_heads=2, head_size=8, dtype="float16")
 
 
 def payload(i: int, size: int = 8_000) -> bytes:
     return blake3(b"server" + str(i).encode()).digest(length=size)
-
-
-@asynccontextmanager
-async def serving(tiers: Sequence[Tier] | None = None, **kwargs: Any) -> AsyncIterator[CacheServer]:
-    store = TieredStore(tiers or [MemoryTier(16 << 20)])
-    await store.start()
-    server = CacheServer(store, kwargs.pop("bind", "tcp://127.0.0.1:0"), chunk_size=CHUNK, **kwargs)
-    await server.start()
-    try:
-        yield server
-    finally:
-        await server.stop()
-        await store.stop()
 
 
 class Events:
@@ -297,42 +284,6 @@ def test_restored_chunks_are_announced_parents_first_and_orphans_last() -> None:
     assert isinstance(published[0], BlockStored) and published[0].token_ids == tokens  # one chained event
     assert unpack_note(notes[0], CHUNK) == (None, array("I", tokens[:CHUNK]), None)
     assert unpack_note(notes[0], CHUNK + 1) is None
-
-
-class DictTier(Tier):
-    """A shared tier stand-in (Redis-like: neither memory nor disk), reporting its writes."""
-
-    def __init__(self) -> None:
-        self.name = "shared"
-        self.data: dict[ChunkKey, bytes] = {}
-
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
-        n = 0
-        while n < len(keys) and keys[n] in self.data:
-            n += 1
-        return n
-
-    async def get(self, key: ChunkKey) -> bytes | None:
-        return self.data.get(key)
-
-    async def put(self, key: ChunkKey, data: Payload) -> bool:
-        self.data[key] = bytes(data)
-        if self.listener is not None:
-            self.listener.stored(self, [key])
-        return True
-
-    async def delete(self, key: ChunkKey) -> bool:
-        if self.data.pop(key, None) is None:
-            return False
-        if self.listener is not None:
-            self.listener.removed(self, [key])
-        return True
-
-    async def clear(self) -> None:
-        self.data.clear()
-
-    def stats(self) -> TierStats:
-        return TierStats(bytes=None, entries=len(self.data))
 
 
 async def test_shared_tiers_publish_remote(zctx: zmq.asyncio.Context) -> None:

@@ -23,12 +23,12 @@ from pathlib import Path
 import pytest
 from blake3 import blake3
 
-from harness import TierRecorder
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier, Payload
 from kvstack.cache.tiers.base import Announcements, Reconnector
 from kvstack.cache.tiers.pagecache import PageCache
 from kvstack.cache.tiers.record import HEADER_BYTES, CorruptRecord, pack_header, payload_of
+from support.cache import TierRecorder
 
 PAGE = mmap.PAGESIZE
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+from blake3 import blake3
 
 from kvstack.cache.client import AsyncCacheClient, CacheClient
 from kvstack.cache.keys import ChunkKey
@@ -34,17 +35,18 @@ from kvstack.cache.protocol import (
     unix_head,
 )
 from kvstack.cache.tiers import MemoryTier
-from test_cache_client import (
-    ThreadServer,
-    _start_server_process,
-    _stop_server_process,
-    _wait_until,
-    free_port,
-    key,
-    payload,
-)
-from test_cache_fuzz import MAX_BYTES, MAX_KEYS, SEED, message
-from test_cache_server import DictTier, serving
+from support.cache import RESTART_SECRET, DictTier, ThreadServer, serving, start_restartable_server
+from support.cache_fuzz import MAX_BYTES, MAX_KEYS, SEED, message
+from support.ports import free_port
+from support.waiting import wait_until
+
+
+def key(i: int, ns: bytes = b"unix") -> ChunkKey:
+    return ChunkKey(blake3(ns + str(i).encode()).digest())
+
+
+def payload(i: int, size: int = 20_000) -> bytes:
+    return blake3(b"payload" + str(i).encode()).digest(length=size)
 
 
 @pytest.fixture
@@ -217,25 +219,24 @@ def test_server_killed_leaves_a_stale_socket_that_the_restarted_server_reclaims(
     sock_path: str, tmp_path: Path
 ) -> None:
     port, unix = free_port(), ("--unix-socket", sock_path)
-    proc = _start_server_process(port, tmp_path, *unix)
+    server = start_restartable_server(tmp_path, port, *unix)
     client = CacheClient(
-        f"unix://{sock_path}", secret=b"restart-secret", timeout_s=0.5, retry_initial_s=0.05, retry_max_s=0.2
+        f"unix://{sock_path}", secret=RESTART_SECRET, timeout_s=0.5, retry_initial_s=0.05, retry_max_s=0.2
     )
     keys = [key(i, b"unix-restart") for i in range(3)]
     try:
-        _wait_until(lambda: client.put(keys, [payload(i) for i in range(3)]))
+        wait_until(lambda: client.put(keys, [payload(i) for i in range(3)]), what="a first put", timeout_s=15)
         assert client.node == "proc" and client.lookup(keys) == 3
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+        server.kill()
         assert os.path.exists(sock_path)  # kill -9 leaves the socket file behind
         assert client.lookup(keys) == 0 and client.get(keys) is None
         assert client.stats.failures.get("unreachable", 0) >= 1
-        proc = _start_server_process(port, tmp_path, *unix)  # reclaims the stale file
-        _wait_until(lambda: client.put(keys[:1], [payload(0)]))
+        server = start_restartable_server(tmp_path, port, *unix)  # reclaims the stale file
+        wait_until(lambda: client.put(keys[:1], [payload(0)]), what="a put after the restart", timeout_s=15)
         assert client.lookup(keys) == 1
     finally:
         client.close()
-        _stop_server_process(proc, tmp_path)
+        assert server.stop(10) in (0, -signal.SIGTERM), server.log()
     assert not os.path.exists(sock_path)  # a clean stop removes it
 
 

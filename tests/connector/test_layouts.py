@@ -12,14 +12,14 @@ import itertools
 import os
 import subprocess
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 
-from harness import REPO, vllm_python
 from kvstack.cache.keys import chunk_keys
 from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, detect_layout, kv_layout
-from test_connector_vllm import CacheServerProcess, run_hand_built, running_cache_server
+from support.cache import CacheServerProcess
+from support.engines import REPO, vllm_python
 
 ATTN = AttentionShape(num_layers=3, num_kv_heads=2, head_size=16, dtype="bfloat16", block_size=32)
 SPLIT_KV = [
@@ -28,11 +28,6 @@ SPLIT_KV = [
     "[blocks,2,block,kv_heads,head]",
     "[blocks,2,kv_heads,block,head]",
 ]
-
-
-@pytest.fixture(scope="module")
-def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
-    yield from running_cache_server(tmp_path_factory)
 
 
 # -- detection (no torch)
@@ -234,6 +229,7 @@ MOVER_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.vllm
 @pytest.mark.parametrize(
     ("layout", "strided", "device_path"),
     [
@@ -333,7 +329,8 @@ print("OK")
 """
 
 
+@pytest.mark.vllm
 def test_the_workers_layout_is_the_namespace_and_a_contradiction_turns_the_connector_off(
-    cache_server: CacheServerProcess,
+    run_hand_built: Callable[[str], None],
 ) -> None:
-    run_hand_built(NAMESPACE_SCRIPT, cache_server)
+    run_hand_built(NAMESPACE_SCRIPT)

@@ -1,7 +1,7 @@
 """The vLLM connector's pure parts, without vLLM or torch: config parsing, chunk keys, block arithmetic,
 the scheduler half's plans against a dict standing in for the store, and the worker's background save
 queue with fake gather/send phases (bytes standing in for KV blocks). Layouts and the copies of blocks:
-tests/test_connector_layouts.py."""
+tests/connector/test_layouts.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -32,6 +32,7 @@ from kvstack.connector import (
     plan_save,
 )
 from kvstack.connector.plan import ChunkLoad, ChunkSave, RequestSave
+from support.waiting import wait_until
 
 BLOCK = 128
 CHUNK = 256
@@ -103,7 +104,7 @@ def test_secret_file(tmp_path: Path) -> None:
 
 
 def test_key_namespace_names_model_dtype_and_rank() -> None:
-    """(Platform, backend, layout and block size: tests/test_connector_layouts.py.)"""
+    """(Platform, backend, layout and block size: tests/connector/test_layouts.py.)"""
     prompt = tokens(512)
     base = chunk_keys(prompt, LAYOUT, CHUNK)
     assert base == chunk_keys(prompt, kv_layout("tiny", TINY, block_layout=CPU, tp_rank=0, tp_size=1), CHUNK)
@@ -557,13 +558,6 @@ def test_workers_must_be_positive() -> None:
 def job(req_id: str, n: int = 1) -> RequestSave:
     chunk = ChunkSave((b"k" * 32,), (1, 2, 3), (4, 5))
     return RequestSave(req_id, None, (chunk,) * n)
-
-
-def wait_until(check: Callable[[], object], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
 
 
 class FakeKV:

@@ -16,13 +16,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,18 +29,17 @@ from typing import Any
 import pytest
 import zmq
 
-from conftest import _require_vllm
-from harness import REPO, EngineProcess, free_port, start_vllm, vllm_python
-from kvstack.cache.client import CacheClient
 from kvstack.cache.events import block_hash
 from kvstack.cache.keys import ChunkKey, chunk_keys
 from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
 from kvstack.kvevents.codec import BlockStored, decode_batch, decode_seq, encode_seq
+from support.cache import CacheServerProcess
+from support.engines import REPO, EngineProcess, require_vllm, start_vllm, vllm_python
 
 pytestmark = pytest.mark.vllm
 
 MODEL_ID = "kvstack-test-tiny-weighted"  # kv_connector_extra_config.model_id: the keys' model name
-CHUNK = 256
+CHUNK = 256  # the cache_server fixture's chunk size (connector/conftest.py)
 BLOCK = 128
 # What the workers report for vLLM 0.32's CPU backend, and so the namespace of the engines' chunk keys.
 BLOCK_LAYOUT = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN", block_size=BLOCK)
@@ -73,84 +70,10 @@ CHAT = [
 ]
 
 
-@dataclass
-class CacheServerProcess:
-    endpoint: str
-    replay_endpoint: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    unix_endpoint: str = ""
-    """The same server's unix socket (engine B speaks through it, engine A through ZMQ)."""
-
-    def client(self) -> CacheClient:
-        return CacheClient(self.endpoint, shm=False, timeout_s=5.0)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)  # its own session: the pid is the group id
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(timeout=5)
-
-
-def _require_connector_deps() -> None:
-    """vLLM imports the connector in its own environment: the cache client's dependencies must be there."""
-    _require_vllm()
-    probe = "import blake3, msgspec, xxhash, zmq"
-    run = subprocess.run([str(vllm_python()), "-c", probe], capture_output=True, text=True)
-    if run.returncode != 0:
-        pytest.fail(
-            f"the vLLM environment cannot import the connector's dependencies ({run.stderr.strip()[-200:]}); "
-            f"run `{vllm_python().parent / 'pip'} install --no-deps -e . xxhash`"
-        )
-
-
-def running_cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
-    """A ``kvstack cache-server`` process (chunks of ``CHUNK`` tokens, events with replay) for a module's
-    tests; stopped after them."""
-    _require_connector_deps()
-    workdir = tmp_path_factory.mktemp("cache-server")
-    endpoint, events, replay = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
-    log_path = workdir / "cache-server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "kvstack.cache.cli",
-        "cache-server",
-        "--bind",
-        endpoint,
-        "--memory-gb",
-        "0.25",
-        "--unix-socket",
-        str(workdir / "cache.sock"),
-    ]
-    cmd += ["--chunk-size", str(CHUNK), "--events", events, "--events-replay", replay]
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    server = CacheServerProcess(endpoint, replay, proc, log_path, f"unix://{workdir / 'cache.sock'}")
-    client = server.client()
-    try:
-        deadline = time.monotonic() + 30
-        while client.server_stats() is None:
-            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
-            time.sleep(0.2)
-    finally:
-        client.close()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def cache_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServerProcess]:
-    yield from running_cache_server(tmp_path_factory)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny model with seeded random weights (written by transformers in the vLLM environment)."""
-    _require_vllm()
+    require_vllm()
     directory = tmp_path_factory.mktemp("weighted") / "model"
     shutil.copytree(tiny_model_dir, directory)
     script = textwrap.dedent(
@@ -374,77 +297,6 @@ def engine_b(
     engine.stop()
 
 
-HAND_BUILT = textwrap.dedent(
-    """
-    import logging, sys, time
-    from types import SimpleNamespace as NS
-    import torch
-    import vllm.distributed.parallel_state as parallel_state
-    from vllm.config.kv_transfer import KVTransferConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
-    import kvstack.connector.vllm_v1 as vllm_v1
-    from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
-    from kvstack.connector.vllm_v1 import KVStackConnector, KVStackLayoutReport
-
-    # No engine in this process: no process group (rank 0), and no attention layers in vLLM's forward
-    # context, so the backend a worker finds there is given (BACKEND[0]).
-    parallel_state.get_tensor_model_parallel_rank = lambda: 0
-    BACKEND = ["CPU_ATTN"]
-    vllm_v1.layer_backends = lambda vllm_config, names: {name: BACKEND[0] for name in names}
-    LAYERS = ["model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn"]
-    FULL = FullAttentionSpec(block_size=128, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
-    SHAPE = AttentionShape(2, 2, 64, "bfloat16", 128)
-    CPU_LAYOUT = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN", block_size=128)
-    LOG = []  # the connector's log lines
-
-    class Kept(logging.Handler):
-        def emit(self, record):
-            LOG.append(record.getMessage())
-
-    logging.getLogger("vllm.kvstack.connector").addHandler(Kept())
-    logging.getLogger("vllm.kvstack.connector").setLevel(logging.INFO)
-
-    def connector(role, spec=FULL, server=sys.argv[1], tp_size=1, **extra):
-        transfer = KVTransferConfig(
-            kv_connector="KVStackConnector",
-            kv_connector_module_path="kvstack.connector.vllm_v1",
-            kv_role="kv_both",
-            kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"server": server, "model_id": "hand-built", "timeout_s": 0.5, **extra},
-        )
-        vllm_config = NS(
-            kv_transfer_config=transfer,
-            cache_config=NS(block_size=128),
-            model_config=NS(model="/models/x", served_model_name="x"),
-            parallel_config=NS(
-                tensor_parallel_size=tp_size, pipeline_parallel_size=1, decode_context_parallel_size=1
-            ),
-        )
-        return KVStackConnector(vllm_config, role, NS(kv_cache_groups=[KVCacheGroupSpec(LAYERS, spec)]))
-
-    def request(rid, seed, n=600):
-        tokens = [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(n)]
-        return NS(request_id=rid, prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None)
-    """
-)
-"""A prelude for scripts that build the connector's halves by hand (in the vLLM environment, argv[1]: the
-cache server): vLLM's config objects where the connector reads them, stand-ins for what only an engine
-has (see the comment in it)."""
-
-
-def run_hand_built(script: str, server: CacheServerProcess) -> None:
-    """``HAND_BUILT`` + ``script`` in the vLLM environment against ``server``; it must print OK."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    run = subprocess.run(
-        [str(vllm_python()), "-c", HAND_BUILT + textwrap.dedent(script), server.endpoint],
-        env=env,
-        capture_output=True,
-        text=True,
-    )
-    assert run.returncode == 0 and run.stdout.strip().endswith("OK"), run.stderr[-3000:]
-
-
 ADAPTER_SCRIPT = """
 from kvstack.connector.plan import ChunkLoad, RequestLoad, StepPlan
 from kvstack.connector.vllm_v1 import KVStackConnectorMetadata
@@ -618,17 +470,19 @@ print("OK")
 """
 
 
-def test_connector_faults_never_reach_vllm(cache_server: CacheServerProcess) -> None:
+def test_connector_faults_never_reach_vllm(run_hand_built: Callable[[str], None]) -> None:
     """The adapter built by hand (no engine): a refused layout, an unsupported model, no server, a bad
     setting."""
-    run_hand_built(ADAPTER_SCRIPT, cache_server)
+    run_hand_built(ADAPTER_SCRIPT)
 
 
-def test_the_halves_follow_vllms_contract_for_asynchronous_saves(cache_server: CacheServerProcess) -> None:
+def test_the_halves_follow_vllms_contract_for_asynchronous_saves(
+    run_hand_built: Callable[[str], None],
+) -> None:
     """Both halves built by hand (real torch KV, real server), stepped in vLLM's order: request_finished
     holds blocks only while a save may read them, get_finished reports each held request once, a
     preemption stops reads, the saved chunks are the blocks bit for bit."""
-    run_hand_built(CONTRACT_SCRIPT, cache_server)
+    run_hand_built(CONTRACT_SCRIPT)
 
 
 def test_engine_a_saves_full_prompt_chunks_under_keys_anyone_can_compute(

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from harness import EngineProcess, start_sim
 from kvstack.engines.catalog import CATALOGS, SIGNALS, Read, catalog_for, parse_version
 from kvstack.engines.metrics_reader import MetricsParseError, read_signals
 from kvstack.engines.state import LoadSignals
+from support.engines import EngineProcess, start_sim
 
 VLLM = catalog_for("vllm")
 LEGACY_RENAMES = {

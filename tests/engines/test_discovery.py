@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Collection
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
 
-from fake_k8s import FakeKubeApi, make_pod, selector_matches
 from kvstack.engines.discovery import (
     Backoff,
     Discovery,
@@ -29,6 +28,8 @@ from kvstack.engines.discovery import (
     parse_engines_file,
 )
 from kvstack.engines.state import Endpoint, EngineRole
+from support.fake_k8s import FakeKubeApi, make_pod, selector_matches
+from support.waiting import eventually
 
 FAST = Backoff(initial_s=0.02, max_s=0.2)
 LOGGER = "kvstack.engines.discovery"
@@ -56,14 +57,6 @@ class Registry:
 
     def kinds(self) -> list[tuple[str, str]]:
         return [(e.kind.value, e.endpoint.url) for e in self.events]
-
-
-async def eventually(check: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within
-    while not check():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager

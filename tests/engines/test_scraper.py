@@ -18,11 +18,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from harness import EngineProcess, free_port, start_sim
 from kvstack.engines.scraper import MetricsScraper
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.http.client import UpstreamPool
 from kvstack.router.server import lean_metrics_fetch
+from support.engines import EngineProcess, start_sim
+from support.ports import free_port
+from support.waiting import eventually
 
 LEGACY = {
     "vllm:kv_cache_usage_perc": "vllm:gpu_cache_usage_perc",
@@ -94,16 +96,6 @@ def scrape_client(request: pytest.FixtureRequest) -> ClientFactory:
 
 def _state(url: str, engine_type: str = "vllm") -> EngineState:
     return EngineState(Endpoint(url, engine_type=engine_type))
-
-
-async def _until(predicate: Callable[[], bool], within: float, step: float = 0.02) -> float:
-    """Wait until ``predicate()`` holds; return when (monotonic) it first did."""
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {within} s")
-        await asyncio.sleep(step)
-    return time.monotonic()
 
 
 @asynccontextmanager
@@ -178,12 +170,12 @@ async def test_engines_added_and_removed_at_runtime(
         scraper = MetricsScraper(http, lambda: list(engines), interval=0.1, jitter=0.02, observer=recorder)
         scraper.start()
         try:
-            await _until(lambda: current.metrics is not None, 2)
+            await eventually(lambda: current.metrics is not None, timeout_s=2)
             engines.append(legacy)
-            await _until(lambda: legacy.metrics is not None, 2)
+            await eventually(lambda: legacy.metrics is not None, timeout_s=2)
             engines.remove(legacy)
             # Leaving clears its missing names for the router's gauge.
-            await _until(lambda: (legacy.url, frozenset()) in recorder.missing, 2)
+            await eventually(lambda: (legacy.url, frozenset()) in recorder.missing, timeout_s=2)
             seen = len(recorder.of(legacy.url))
             await asyncio.sleep(0.4)
             assert len(recorder.of(legacy.url)) == seen  # no longer scraped
@@ -212,15 +204,17 @@ async def test_stopped_engine_goes_stale_then_unhealthy_never_idle(
             )
             scraper.start()
             try:
-                await _until(lambda: state.signals() is not None, 3)
+                await eventually(lambda: state.signals() is not None, timeout_s=3)
                 signals = state.signals()
                 assert signals is not None and signals.queue == 0.0  # idle, and known to be
                 engine.stop()
                 stopped = time.monotonic()
-                stale_at = await _until(lambda: state.metrics_stale, 3, step=0.005)
+                await eventually(lambda: state.metrics_stale, timeout_s=3, interval_s=0.005)
+                stale_at = time.monotonic()
                 assert state.signals() is None  # unknown, not idle
                 assert state.healthy  # not yet: only 0.35 s without a reading
-                unhealthy_at = await _until(lambda: not state.healthy, 3, step=0.005)
+                await eventually(lambda: not state.healthy, timeout_s=3, interval_s=0.005)
+                unhealthy_at = time.monotonic()
                 assert stopped < stale_at <= unhealthy_at
                 assert state.metrics_stale and state.signals() is None
                 await asyncio.sleep(0.3)

@@ -26,8 +26,7 @@ from kvstack.engines.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
-
-REPO = Path(__file__).resolve().parents[1]
+from support.engines import require_vllm, vllm_python
 
 TEXTS = [
     "Hello world",
@@ -184,10 +183,6 @@ print(json.dumps(results))
 """
 
 
-def _vllm_python() -> Path:
-    return Path(os.environ.get("KVSTACK_VLLM_PYTHON", str(REPO / ".venvs" / "vllm" / "bin" / "python")))
-
-
 def _render_and_encode(tokenizer: Tokenizer, case: dict[str, Any]) -> tuple[str, list[int]]:
     text = tokenizer.render_chat(
         case["messages"],
@@ -229,12 +224,8 @@ def transformers_reference(
     model_dir: Path, feature_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Any]:
     """What transformers (from the vLLM virtualenv) makes of the test texts and chats, per model directory."""
-    python = _vllm_python()
-    if not python.exists():
-        pytest.skip(
-            f"no vLLM/transformers interpreter at {python}: create the vLLM virtualenv there "
-            "(see /work/shared/reference/vllm-on-cpu.md) or point KVSTACK_VLLM_PYTHON at its python"
-        )
+    require_vllm()
+    python = vllm_python()
     jobs = [
         {"directory": str(model_dir), "texts": TEXTS, "conversations": CONVERSATIONS},
         {"directory": str(feature_dir), "texts": TEXTS[:4], "conversations": FEATURE_CONVERSATIONS},
@@ -279,6 +270,7 @@ def _assert_same_as_transformers(
 # --- equivalence with transformers (what vLLM uses) ---------------------------------------------------------
 
 
+@pytest.mark.vllm
 def test_tiny_model_matches_transformers(model_dir: Path, transformers_reference: dict[str, Any]) -> None:
     expected = transformers_reference[str(model_dir)]
     _assert_same_as_transformers(model_dir, TEXTS, CONVERSATIONS, expected)
@@ -287,6 +279,7 @@ def test_tiny_model_matches_transformers(model_dir: Path, transformers_reference
     assert expected["class"] == "Qwen2Tokenizer"
 
 
+@pytest.mark.vllm
 def test_bos_post_processor_and_jinja_extras_match_transformers(
     feature_dir: Path, transformers_reference: dict[str, Any]
 ) -> None:

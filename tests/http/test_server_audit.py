@@ -11,9 +11,9 @@ import shutil
 from collections.abc import AsyncIterator
 
 import pytest
+from test_router_http1 import Served, _post, _read_response, _serve
 
 from kvstack.http.server import Connection, Request, Response
-from test_router_http1 import Served, _post, _read_response, _serve
 
 pytestmark = pytest.mark.asyncio
 

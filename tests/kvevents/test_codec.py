@@ -1,7 +1,6 @@
 """The vLLM KV-event codec: both encodings round-trip, malformed payloads fail one way, bytes match vLLM's."""
 
 import logging
-import os
 import random
 import subprocess
 import textwrap
@@ -26,10 +25,9 @@ from kvstack.kvevents.codec import (
     encode_batch,
     encode_seq,
 )
+from support.engines import require_vllm, vllm_python
 
 _HASH = 16303569632084916100  # a real one, seen from vLLM CPU
-REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("KVSTACK_VLLM_PYTHON", str(REPO / ".venvs" / "vllm" / "bin" / "python")))
 
 
 def _minimal_batch() -> EventBatch:
@@ -344,9 +342,9 @@ _VLLM_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.vllm
 def test_bytes_and_fields_match_vllm_own_classes(tmp_path: Path) -> None:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM virtualenv at {VLLM_PYTHON}; point KVSTACK_VLLM_PYTHON at a python with vllm")
+    require_vllm()
     on_rank_0 = _minimal_batch()
     on_rank_0.data_parallel_rank = 0  # what vLLM's publisher fills in on rank 0
     ours = [_minimal_batch(), on_rank_0, _full_batch()]
@@ -364,13 +362,13 @@ def test_bytes_and_fields_match_vllm_own_classes(tmp_path: Path) -> None:
     request_path, result_path = tmp_path / "request.msgpack", tmp_path / "result.msgpack"
     request_path.write_bytes(msgspec.msgpack.encode(request))
     done = subprocess.run(
-        [str(VLLM_PYTHON), "-c", _VLLM_SCRIPT, str(request_path), str(result_path)],
+        [str(vllm_python()), "-c", _VLLM_SCRIPT, str(request_path), str(result_path)],
         capture_output=True,
         text=True,
         timeout=300,
     )
     if done.returncode == 3:
-        pytest.skip(f"{VLLM_PYTHON}: {done.stderr.strip().splitlines()[-1]} (still installing?)")
+        pytest.skip(f"{vllm_python()}: {done.stderr.strip().splitlines()[-1]} (still installing?)")
     assert done.returncode == 0, done.stderr[-4000:]
     result = msgspec.msgpack.decode(result_path.read_bytes())
     assert result["built"] == request["ours"]

@@ -1,7 +1,6 @@
 """The simulated engine's KV-event publisher over real ZMQ sockets, and frame for frame against vLLM's own."""
 
 import asyncio
-import os
 import textwrap
 from pathlib import Path
 
@@ -24,9 +23,8 @@ from kvstack.kvevents.codec import (
     encode_seq,
 )
 from kvstack.kvevents.publisher import KVEventPublisher
+from support.engines import require_vllm, vllm_python
 
-REPO = Path(__file__).resolve().parents[1]
-VLLM_PYTHON = Path(os.environ.get("KVSTACK_VLLM_PYTHON", str(REPO / ".venvs" / "vllm" / "bin" / "python")))
 TIMEOUT = 5.0
 
 
@@ -263,16 +261,9 @@ _VLLM_PUBLISHER = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def vllm_python() -> Path:
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM virtualenv at {VLLM_PYTHON}; point KVSTACK_VLLM_PYTHON at a python with vllm")
-    return VLLM_PYTHON
-
-
-async def test_frames_match_vllm_own_publisher(
-    ctx: zmq.asyncio.Context, tmp_path: Path, vllm_python: Path
-) -> None:
+@pytest.mark.vllm
+async def test_frames_match_vllm_own_publisher(ctx: zmq.asyncio.Context, tmp_path: Path) -> None:
+    require_vllm()
     events: list[list[KVEvent]] = [
         [_stored(0), _stored(2)],
         [BlockRemoved(block_hashes=[1000])],
@@ -292,7 +283,7 @@ async def test_frames_match_vllm_own_publisher(
     stderr_path = tmp_path / "vllm.stderr"
     with stderr_path.open("wb") as stderr:
         proc = await asyncio.create_subprocess_exec(
-            str(vllm_python),
+            str(vllm_python()),
             "-c",
             _VLLM_PUBLISHER,
             f"ipc://{tmp_path}/vllm-pub",
@@ -307,7 +298,7 @@ async def test_frames_match_vllm_own_publisher(
         line = await asyncio.wait_for(proc.stdout.readline(), 300)
         if not line and await proc.wait() == 3:
             pytest.skip(
-                f"{vllm_python}: {stderr_path.read_text().strip().splitlines()[-1]} (still installing?)"
+                f"{vllm_python()}: {stderr_path.read_text().strip().splitlines()[-1]} (still installing?)"
             )
         assert line == b"published\n", stderr_path.read_text()[-4000:]
         dealer = _client(ctx, zmq.DEALER, vllm_replay)

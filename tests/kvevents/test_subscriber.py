@@ -11,7 +11,6 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from harness import free_port
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ_BYTES,
     AllBlocksCleared,
@@ -28,6 +27,7 @@ from kvstack.kvevents.subscriber import (
     SeqVerdict,
     resolve_sources,
 )
+from support.ports import free_port
 
 TIMEOUT = 5.0
 

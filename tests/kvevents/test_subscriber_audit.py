@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import zmq
 import zmq.asyncio
+from test_kv_subscriber import CountingObserver, RecordingSink, ScriptedPublisher, _batch
 
 from kvstack.engines.state import Endpoint
 from kvstack.kvevents.codec import (
@@ -26,7 +27,6 @@ from kvstack.kvevents.codec import (
 from kvstack.kvevents.subscriber import EventSource, KVEventSubscriber, replay, resolve_sources
 from kvstack.router.kv_feeds import KVEventFeeds
 from kvstack.router.prefix import PrefixLocator
-from test_kv_subscriber import CountingObserver, RecordingSink, ScriptedPublisher, _batch
 
 TIMEOUT = 3.0
 

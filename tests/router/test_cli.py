@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -11,7 +10,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from harness import EngineProcess, free_port, start_sim
+from support.engines import EngineProcess, start_sim
+from support.ports import free_port
+from support.processes import kill_group, spawn, stop_group
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -40,10 +41,9 @@ def _children(pid: int) -> list[int]:
 def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
     sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
     port = free_port()
-    router = subprocess.Popen(
+    router = spawn(
         [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
          "--workers", "2", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
@@ -79,7 +79,7 @@ def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
             )
     finally:
         if router.poll() is None:
-            os.killpg(router.pid, signal.SIGKILL)
+            kill_group(router)
         sim.stop()
 
 
@@ -101,10 +101,9 @@ def test_scrape_interval_sets_how_fresh_engine_metrics_are(tmp_path: Path) -> No
     try:
         for interval in ("0.1", "30"):
             port = free_port()
-            routers[interval] = (port, subprocess.Popen(
+            routers[interval] = (port, spawn(
                 [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
                  "--scrape-interval", interval, "--scrape-timeout", "2", "--log-level", "warning"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
             ))  # fmt: skip
         for port, _ in routers.values():
             deadline = time.monotonic() + 30
@@ -125,7 +124,5 @@ def test_scrape_interval_sets_how_fresh_engine_metrics_are(tmp_path: Path) -> No
         assert len(slow) == 12 and slow == sorted(slow) and slow[-1] > 2.0, slow
     finally:
         for _, proc in routers.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-                proc.wait(timeout=20)
+            stop_group(proc)
         sim.stop()

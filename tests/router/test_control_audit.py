@@ -9,7 +9,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -18,7 +18,6 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import ApiClient, Configuration
 
-from fake_k8s import FakeKubeApi, make_pod
 from kvstack import cli
 from kvstack.engines.discovery import (
     Backoff,
@@ -32,17 +31,12 @@ from kvstack.engines.discovery import (
 from kvstack.engines.prompt_tokens import PromptTokenizer, TextPrompt
 from kvstack.engines.state import Endpoint
 from kvstack.router.server import RouterOptions, running_router
+from support.fake_k8s import FakeKubeApi, make_pod
+from support.waiting import eventually
 
 FAST = Backoff(initial_s=0.02, max_s=0.2)
 MODEL = "m"
 METRICS = "vllm:num_requests_running 0\nvllm:num_requests_waiting 0\nvllm:kv_cache_usage_perc 0.1\n"
-
-
-async def eventually(check: Callable[[], bool], within: float = 4.0) -> None:
-    deadline = time.monotonic() + within
-    while not check():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @asynccontextmanager
@@ -216,7 +210,7 @@ async def test_engine_whose_connects_never_complete_becomes_unhealthy() -> None:
         async with running_router(opts) as router:
             entry = router.app.registry.get(url)
             assert entry is not None
-            await eventually(lambda: not entry.state.healthy, within=3.0)
+            await eventually(lambda: not entry.state.healthy, timeout_s=3.0)
 
 
 # -- F8, F9: router options ----------------------------------------------------------------------------

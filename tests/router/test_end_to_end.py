@@ -11,25 +11,20 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import re
-import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
-import openai
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
 from prometheus_client.parser import text_string_to_metric_families
 
-import harness
-from fake_k8s import FakeKubeApi, make_pod
-from harness import EngineProcess, start_sim
+import openai
 from kvstack.engines.discovery import Backoff, KubernetesDiscovery
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
@@ -42,8 +37,12 @@ from kvstack.router.server import RouterOptions, RunningRouter, start_router
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
+from support.engines import EngineProcess, start_sim, wait_healthy
+from support.fake_k8s import FakeKubeApi, make_pod
+from support.processes import kill_group, spawn
+from support.waiting import eventually
 
-MODEL = "tiny"  # served name of the vLLM fixture and of harness.start_sim
+MODEL = "tiny"  # served name of the vLLM fixture and of start_sim
 SCRAPE_S = 0.2
 T = TypeVar("T")
 
@@ -74,19 +73,6 @@ async def engine_view(http: aiohttp.ClientSession, router: RunningRouter, url: s
     """The router's /engines entry of one engine."""
     engines = (await get_json(http, f"{router.url}/engines"))["engines"]
     return next(e for e in engines if e["url"] == url)
-
-
-async def until(probe: Callable[[], Awaitable[T | None]], what: str, within: float = 15.0) -> T:
-    """Poll ``probe`` until it returns something other than None or False; fail after ``within`` s."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while True:
-        value = await probe()
-        if value is not None and value is not False:
-            return value
-        if loop.time() > deadline:
-            raise AssertionError(f"{what}: not reached within {within:g} s")
-        await asyncio.sleep(0.05)
 
 
 class EventReader:
@@ -151,7 +137,12 @@ async def routing_to(urls: list[str], **options: Any) -> AsyncIterator[RunningRo
     options.setdefault("retry", RetryPolicy(max_attempts=3, backoff_base=0.01))
     router = await start_router(RouterOptions(port=0, engines=[Endpoint(u) for u in urls], **options))
     try:
-        await until(lambda: _known(router, len(urls)), "engines' models and metrics known", within=10)
+        await eventually(
+            lambda: _known(router, len(urls)),
+            what="engines' models and metrics known",
+            timeout_s=10,
+            interval_s=0.05,
+        )
         yield router
     finally:
         await router.stop()
@@ -176,7 +167,7 @@ def in_flight(router: RunningRouter) -> dict[str, int]:
 
 # -- simulated engines ---------------------------------------------------------------------------------------
 async def start_sim_processes(workdir: Path, n: int, *args: str) -> list[EngineProcess]:
-    """``n`` ``kvstack sim`` subprocesses (harness.start_sim), started side by side."""
+    """``n`` ``kvstack sim`` subprocesses (start_sim), started side by side."""
     extra = ["--no-kv-events", *args]
     return list(
         await asyncio.gather(
@@ -197,11 +188,11 @@ def start_sim_at(port: int, workdir: Path, *args: str) -> EngineProcess:
     ]  # fmt: skip
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"sim-{port}.log"
-    proc = harness._spawn(cmd, dict(os.environ), log_path)
+    proc = spawn(cmd, log_path, cwd=workdir)
     url = f"http://127.0.0.1:{port}"
     engine = EngineProcess("sim", url, MODEL, "", None, proc, log_path, block_size=128)
     try:
-        harness._wait_healthy(proc, url, log_path, 60.0)
+        wait_healthy(proc, url, log_path, 60.0)
     except Exception:
         engine.stop()
         raise
@@ -210,8 +201,7 @@ def start_sim_at(port: int, workdir: Path, *args: str) -> EngineProcess:
 
 def kill(engine: EngineProcess) -> None:
     """SIGKILL the engine's process group: no goodbye on its connections."""
-    os.killpg(engine.proc.pid, signal.SIGKILL)
-    engine.proc.wait(timeout=10)
+    kill_group(engine.proc)
 
 
 @contextmanager
@@ -348,7 +338,7 @@ async def test_vllm_models_and_engine_metrics_through_the_catalog(
             view = await engine_view(http, vllm_router, vllm_engine.url)
             return view if view["metrics"] is not None else None
 
-        view = await until(scraped, "vLLM's /metrics scraped")
+        view = await eventually(scraped, what="vLLM's /metrics scraped", timeout_s=15, interval_s=0.05)
         m = view["metrics"]
         assert m["queue"] is not None and m["running"] is not None and m["kv_usage"] is not None
         assert m["missing"] == [] and m["aliases_used"] == []
@@ -392,15 +382,17 @@ async def assert_aborted(
     async def closed() -> bool | None:
         return all(conn.closed for conn in carrying) or None
 
-    await until(closed, "the router closing its connection to vLLM", within=10)
+    await eventually(closed, what="the router closing its connection to vLLM", timeout_s=10, interval_s=0.05)
     assert not carrying & router.upstream._open
-    await until(lambda: _none_in_flight(router), "router in-flight back to 0", within=10)
+    await eventually(
+        lambda: _none_in_flight(router), what="router in-flight back to 0", timeout_s=10, interval_s=0.05
+    )
 
     async def idle() -> tuple[float, float, float] | None:
         now = await vllm_counts(http, url)
         return now if now[0] == 0 else None
 
-    await until(idle, "vLLM running no request", within=60)
+    await eventually(idle, what="vLLM running no request", timeout_s=60, interval_s=0.05)
 
 
 @pytest.mark.vllm
@@ -444,7 +436,9 @@ async def test_vllm_non_streaming_client_giving_up_aborts_the_request(
         # the start: the abort then reaches vLLM while it is still generating, however fast the machine is.
         # (vLLM's own /metrics can take seconds to answer while it generates on a 2-core machine, so it is
         # not the signal to wait for.)
-        await until(sent, "the router forwarding the request to vLLM", within=30)
+        await eventually(
+            sent, what="the router forwarding the request to vLLM", timeout_s=30, interval_s=0.05
+        )
         await asyncio.sleep(0.3)
         carrying = carrying_requests(vllm_router)
         request.cancel()  # the client's wait ends: aiohttp drops the connection
@@ -578,7 +572,9 @@ async def test_connect_error_retries_on_an_engine_the_saturation_filter_set_asid
             signals = entry(router, busy.url).state.signals()
             return signals is not None and signals.queue == 10
 
-        await until(busy_seen, "the busy engine's queue of 10 scraped")
+        await eventually(
+            busy_seen, what="the busy engine's queue of 10 scraped", timeout_s=15, interval_s=0.05
+        )
         assert entry(router, dying.url).state.signals() is not None  # fresh, and it looked idle
         await stop_engine(dying)
         async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
@@ -607,7 +603,7 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
             async def scraped() -> bool:
                 return (await engine_view(http, router, a.url))["metrics"] is not None
 
-            await until(scraped, "a first scrape of the engine")
+            await eventually(scraped, what="a first scrape of the engine", timeout_s=15, interval_s=0.05)
             kill(a)
             # Round-robin keeps offering the dead engine; each connect error counts against it and the
             # request is retried on the other engine, until its circuit opens.
@@ -625,7 +621,12 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
                 v = await engine_view(http, router, a.url)
                 return v["metrics"]["stale"] and not v["healthy"]
 
-            await until(stale_and_down, "the dead engine's metrics stale and the engine unhealthy")
+            await eventually(
+                stale_and_down,
+                what="the dead engine's metrics stale and the engine unhealthy",
+                timeout_s=15,
+                interval_s=0.05,
+            )
 
             restarted = await asyncio.to_thread(
                 start_sim_at, port_a, tmp_path / "restarted", "--time-scale", "20"
@@ -638,14 +639,21 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
                 return metric(text, "vllm:request_success_total") > 0
 
             # Once its open period (1 s) is over and a scrape reached it, the probe request closes it.
-            await until(served_by_restarted, "a request served by the restarted engine", within=20)
+            await eventually(
+                served_by_restarted,
+                what="a request served by the restarted engine",
+                timeout_s=20,
+                interval_s=0.05,
+            )
 
             async def rejoined() -> dict[str, Any] | None:
                 v = await engine_view(http, router, a.url)
                 fresh = v["metrics"] is not None and not v["metrics"]["stale"]
                 return v if v["circuit"] == "closed" and v["healthy"] and fresh else None
 
-            view = await until(rejoined, "the restarted engine closed, healthy and fresh")
+            view = await eventually(
+                rejoined, what="the restarted engine closed, healthy and fresh", timeout_s=15, interval_s=0.05
+            )
             assert view["routable"]
             metrics = await get_text(http, f"{router.url}/metrics")
             assert metric(metrics, "kvstack_router_circuit_state", engine=a.url) == 0
@@ -677,7 +685,9 @@ async def test_legacy_metrics_engine_is_detected_and_reported(
                     seen.add(reading.scraped_at)
                 return len(seen) >= 5
 
-            await until(scraped_five_times, "five scrapes of the legacy engine")
+            await eventually(
+                scraped_five_times, what="five scrapes of the legacy engine", timeout_s=15, interval_s=0.05
+            )
             view = (await engine_view(http, router, old.url))["metrics"]
             assert {p[0] for p in LEGACY_PAIRS} <= set(view["missing"])
             assert sorted(view["aliases_used"]) == LEGACY_PAIRS
@@ -721,7 +731,7 @@ async def test_stale_metrics_count_as_unknown_not_idle() -> None:
             ok = all(v["metrics"] and not v["metrics"]["stale"] for v in views)
             return ok and views[1]["metrics"]["queue"] == 10
 
-        await until(both_fresh, "fresh readings of both engines")
+        await eventually(both_fresh, what="fresh readings of both engines", timeout_s=15, interval_s=0.05)
 
         async def served(engine: RunningEngine) -> float:
             text = await get_text(http, f"{router.url}/metrics")
@@ -738,7 +748,9 @@ async def test_stale_metrics_count_as_unknown_not_idle() -> None:
             view = await engine_view(http, router, idle.url)
             return view if view["metrics"]["stale"] else None
 
-        view = await until(idle_is_stale, "the engine's metrics marked stale")
+        view = await eventually(
+            idle_is_stale, what="the engine's metrics marked stale", timeout_s=15, interval_s=0.05
+        )
         # Healthy and routable (its /metrics answered, just not with metrics), last reading kept but stale.
         assert view["healthy"] and view["routable"] and view["circuit"] == "closed"
         assert view["metrics"]["queue"] == 0
@@ -838,7 +850,7 @@ async def test_kubernetes_pod_ready_then_deleted() -> None:
                 async def routable() -> bool:
                     return await ready_status() == 200
 
-                await until(routable, "/ready once the pod is Ready")
+                await eventually(routable, what="/ready once the pod is Ready", timeout_s=15, interval_s=0.05)
                 assert [e.state.url for e in router.app.registry] == [sim.url]
                 for i in range(3):
                     assert await post_status(http, router, completion(2, prompt=f"k8s {i}")) == 200
@@ -848,7 +860,9 @@ async def test_kubernetes_pod_ready_then_deleted() -> None:
                 async def gone() -> bool:
                     return await ready_status() == 503
 
-                await until(gone, "/ready 503 once the pod is deleted")
+                await eventually(
+                    gone, what="/ready 503 once the pod is deleted", timeout_s=15, interval_s=0.05
+                )
                 async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
                     body = await r.json()
                     assert r.status == 404 and body["error"]["param"] == "model", body

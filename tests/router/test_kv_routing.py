@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import aiohttp
 import pytest
 
-from harness import free_port
 from kvstack.engines.prompt_tokens import ChatPrompt, IdsPrompt, PromptTokenizer, TextPrompt, prompt_of
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
@@ -25,6 +24,8 @@ from kvstack.scheduling.scorers.precise_prefix import PrecisePrefixScorer
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
+from support.ports import free_port
+from support.waiting import eventually
 
 MODEL = "sim-model"
 BLOCK = 16
@@ -75,13 +76,6 @@ async def _sims(
     return out
 
 
-async def _until(predicate: object, limit: float = 30.0) -> None:
-    assert callable(predicate)
-    async with asyncio.timeout(limit):
-        while not predicate():  # noqa: ASYNC110 - polls router state that has no event to wait on
-            await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def kv_stack(request: pytest.FixtureRequest) -> AsyncIterator[KVStack]:
     """Two sims behind the router; ``@pytest.mark.routing(preset)`` picks the preset (default "auto"),
@@ -96,11 +90,14 @@ async def kv_stack(request: pytest.FixtureRequest) -> AsyncIterator[KVStack]:
     )
     http = aiohttp.ClientSession()
     try:
-        await _until(
-            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry)
+        await eventually(
+            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry),
+            timeout_s=30,
         )
         if routing != "prefix":
-            await _until(lambda: all(e.state.knowledge == "kv-events" for e in router.app.registry))
+            await eventually(
+                lambda: all(e.state.knowledge == "kv-events" for e in router.app.registry), timeout_s=30
+            )
         yield KVStack(engines, router, http)
     finally:
         await http.close()
@@ -117,12 +114,12 @@ async def test_repeats_follow_the_engine_that_holds_the_prefix_until_its_cache_i
 ) -> None:
     first = await kv_stack.complete(LONG)
     locator = kv_stack.router.locator
-    await _until(lambda: locator.index.stats().entries >= 20)
+    await eventually(lambda: locator.index.stats().entries >= 20, timeout_s=30)
     assert locator.index.locations() == [first]
     # Repeats, as completions and as chat whose user message is the same long text, stay on the holder.
     assert {await kv_stack.complete(LONG) for _ in range(6)} == {first}
     holder = await kv_stack.chat(LONG)
-    await _until(lambda: locator.index.stats().entries >= 40)
+    await eventually(lambda: locator.index.stats().entries >= 40, timeout_s=30)
     assert {await kv_stack.chat(LONG) for _ in range(6)} == {holder}
 
     # The holder's cache is reset: AllBlocksCleared empties its index entries, and repeats lose the pull.
@@ -132,7 +129,7 @@ async def test_repeats_follow_the_engine_that_holds_the_prefix_until_its_cache_i
     body = {"model": MODEL, "prompt": "step", "max_tokens": 1}
     async with kv_stack.http.post(f"{first}/v1/completions", json=body) as r:
         assert r.status == 200
-    await _until(lambda: first not in locator.index.locations())
+    await eventually(lambda: first not in locator.index.locations(), timeout_s=30)
     tokens = await kv_stack.router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
     assert tokens is not None
     states = kv_stack.router.app.registry.states()
@@ -163,7 +160,7 @@ async def test_out_of_range_token_ids_get_the_engines_error_not_a_router_crash(k
 
 async def test_metrics_report_kv_events(kv_stack: KVStack) -> None:
     await kv_stack.complete(LONG)
-    await _until(lambda: kv_stack.router.locator.index.stats().entries > 0)
+    await eventually(lambda: kv_stack.router.locator.index.stats().entries > 0, timeout_s=30)
     async with kv_stack.http.get(f"{kv_stack.url}/metrics") as r:
         text = await r.text()
     assert 'kvstack_kv_events_total{engine="' in text and 'type="BlockStored"' in text
@@ -174,7 +171,7 @@ async def test_metrics_report_kv_events(kv_stack: KVStack) -> None:
 async def test_removed_engine_leaves_the_index(kv_stack: KVStack) -> None:
     first = await kv_stack.complete(LONG)
     locator = kv_stack.router.locator
-    await _until(lambda: first in locator.index.locations())
+    await eventually(lambda: first in locator.index.locations(), timeout_s=30)
     kv_stack.router.app.remove_engine(first)
     assert first not in locator.index.locations()
 
@@ -198,7 +195,9 @@ async def test_engines_with_different_block_sizes_coexist(legacy_events: bool) -
     )
     small, large = engines[0].url, engines[1].url
     try:
-        await _until(lambda: all(e.state.knowledge == "kv-events" for e in router.app.registry))
+        await eventually(
+            lambda: all(e.state.knowledge == "kv-events" for e in router.app.registry), timeout_s=30
+        )
         locator = router.locator
         assert locator is not None
         async with aiohttp.ClientSession() as http:
@@ -206,7 +205,9 @@ async def test_engines_with_different_block_sizes_coexist(legacy_events: bool) -
                 body = {"model": MODEL, "prompt": LONG, "max_tokens": 1}
                 async with http.post(f"{url}/v1/completions", json=body) as r:
                     assert r.status == 200
-        await _until(lambda: locator.block_size(small) == 16 and locator.block_size(large) == 128)
+        await eventually(
+            lambda: locator.block_size(small) == 16 and locator.block_size(large) == 128, timeout_s=30
+        )
         tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
         assert tokens is not None
         view = locator.lookup(tokens, router.app.registry.states()).view
@@ -335,10 +336,11 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
         try:
             locator = router.locator
             assert locator is not None
-            await _until(
+            await eventually(
                 lambda: all(
                     e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry
-                )
+                ),
+                timeout_s=30,
             )
             tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
             assert tokens is not None and len(tokens) > 4 * chunk
@@ -407,8 +409,9 @@ async def test_real_cache_server_events_reach_the_router() -> None:
     try:
         locator = router.locator
         assert locator is not None
-        await _until(
-            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry)
+        await eventually(
+            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry),
+            timeout_s=30,
         )
         tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
         assert tokens is not None
@@ -416,7 +419,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
         keys = chunk_keys(tokens, layout, chunk_size=chunk)[:3]
         ids = [list(tokens[i * chunk : (i + 1) * chunk]) for i in range(3)]
         assert await client.put(keys, [bytes(1024)] * 3, token_ids=ids)
-        await _until(lambda: f"cache+{events}" in locator.index.locations())
+        await eventually(lambda: f"cache+{events}" in locator.index.locations(), timeout_s=30)
         view = locator.lookup(tokens, router.app.registry.states()).view
         assert view.precise[near][1] == 3 * chunk  # the cache's memory tier counts as CPU on node-a
         assert far not in view.precise
@@ -426,7 +429,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
                 assert r.status == 200 and r.headers["x-kvstack-engine"] == near
         # Evicting the chunks takes the credit away again (near now also holds the prompt in its own blocks).
         assert await client.evict(keys) == 3
-        await _until(lambda: f"cache+{events}" not in locator.index.locations())
+        await eventually(lambda: f"cache+{events}" not in locator.index.locations(), timeout_s=30)
     finally:
         await client.aclose()
         await router.stop()

@@ -11,16 +11,16 @@ from typing import Any
 import aiohttp
 import pytest
 
-from conftest import _require_vllm
-from harness import EngineProcess, start_vllm
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer, TextPrompt
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.router.server import RouterOptions, RunningRouter, start_router
+from support.engines import EngineProcess, require_vllm, start_vllm
+from support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
-MODEL = "tiny"  # harness.start_vllm's served name
+MODEL = "tiny"  # start_vllm's served name
 BLOCK = 128  # vLLM's CPU block size
 LONG = " ".join(f"chapter {i} of the long shared document says {i * 7 % 13}" for i in range(60))
 
@@ -28,7 +28,7 @@ LONG = " ".join(f"chapter {i} of the long shared document says {i * 7 % 13}" for
 @pytest.fixture(scope="module")
 def second_vllm(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """A second real vLLM, configured like the session's ``vllm_engine``."""
-    _require_vllm()
+    require_vllm()
     engine = start_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm-b"))
     yield engine
     engine.stop()
@@ -38,12 +38,6 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
     async with http.post(url, json=body) as r:
         assert r.status == 200, await r.text()
         return await r.json(), r.headers.get("x-kvstack-engine", "")
-
-
-async def _until(predicate: Any, limit: float = 30.0) -> None:
-    async with asyncio.timeout(limit):
-        while not predicate():  # noqa: ASYNC110 - polls router state that has no event to wait on
-            await asyncio.sleep(0.05)
 
 
 async def _reset(http: aiohttp.ClientSession, engine: str) -> None:
@@ -72,10 +66,18 @@ async def kv_router(
     )
     try:
         registry = router.app.registry
-        await _until(lambda: all(e.state.knowledge == "kv-events" for e in registry))
-        await _until(lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in registry))
-        await _until(
-            lambda: all(router.feeds and router.feeds.subscriber(e.state.url).connected for e in registry)
+        await eventually(
+            lambda: all(e.state.knowledge == "kv-events" for e in registry), timeout_s=30, interval_s=0.05
+        )
+        await eventually(
+            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in registry),
+            timeout_s=30,
+            interval_s=0.05,
+        )
+        await eventually(
+            lambda: all(router.feeds and router.feeds.subscriber(e.state.url).connected for e in registry),
+            timeout_s=30,
+            interval_s=0.05,
         )  # type: ignore[union-attr]
         yield router, http
     finally:
@@ -96,7 +98,7 @@ async def test_repeats_go_to_the_engine_holding_the_prefix_until_it_is_reset(
 
     answer, holder = await _post(http, completions, prompt)
     assert answer["usage"]["prompt_tokens"] >= 4 * BLOCK
-    await _until(lambda: holder in locator.index.locations())
+    await eventually(lambda: holder in locator.index.locations(), timeout_s=30, interval_s=0.05)
     for _ in range(3):
         answer, engine = await _post(http, completions, prompt)
         assert engine == holder
@@ -106,7 +108,7 @@ async def test_repeats_go_to_the_engine_holding_the_prefix_until_it_is_reset(
     # (Counted before the request: its BlockStored events may reach the index before the answer does.)
     before = locator.index.stats().entries
     _, chat_holder = await _post(http, chat, messages)
-    await _until(lambda: locator.index.stats().entries > before)
+    await eventually(lambda: locator.index.stats().entries > before, timeout_s=30, interval_s=0.05)
     for _ in range(3):
         answer, engine = await _post(http, chat, messages)
         assert engine == chat_holder
@@ -114,7 +116,7 @@ async def test_repeats_go_to_the_engine_holding_the_prefix_until_it_is_reset(
 
     # Reset the holder's cache: its AllBlocksCleared removes it from the index and the pull is gone.
     await _reset(http, holder)
-    await _until(lambda: holder not in locator.index.locations())
+    await eventually(lambda: holder not in locator.index.locations(), timeout_s=30, interval_s=0.05)
     tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
     assert tokens is not None
     view = locator.lookup(tokens, router.app.registry.states()).view

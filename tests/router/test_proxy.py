@@ -10,11 +10,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import counter_totals
+import openai
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.router.app import RouterConfig
@@ -25,6 +24,7 @@ from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_en
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.faults import FaultConfig
 from kvstack.sim.textgen import OutputSampler
+from support.metrics import counter_totals
 
 MODEL = "sim-model"
 

@@ -16,10 +16,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
+from test_router_proxy import MODEL, start_sims, wait_models
 
+import openai
 from kvstack.engines.state import Endpoint
 from kvstack.router import proxy
 from kvstack.router.app import RouterConfig
@@ -27,7 +28,6 @@ from kvstack.router.circuit import CircuitConfig
 from kvstack.router.proxy import RetryPolicy, Timeouts, _forward_headers
 from kvstack.router.server import RouterOptions, RunningRouter, start_router
 from kvstack.sim.cluster import RunningEngine, stop_engine
-from test_router_proxy import MODEL, start_sims, wait_models
 
 FAST = Timeouts(connect=1.0, first_byte=10.0, idle=5.0, total=60.0)
 COMPLETION_EVENT = (

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,9 +16,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import EngineProcess, free_port, start_sim
+from support.engines import EngineProcess, start_sim
+from support.ports import free_port
+from support.processes import spawn, stop_group
+from support.waiting import eventually
 
-MODEL = "tiny"  # harness.start_sim's served name
+MODEL = "tiny"  # start_sim's served name
 
 
 @dataclass
@@ -43,16 +44,12 @@ class Workers:
         return seen
 
 
-async def _wait_http(url: str) -> None:
-    async with asyncio.timeout(30), aiohttp.ClientSession() as http:
-        while True:
-            try:
-                async with http.get(f"{url}/ready") as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
+async def _ready(url: str) -> bool:
+    try:
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/ready") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
 
 
 @pytest.fixture
@@ -60,31 +57,20 @@ async def workers(tmp_path: Path) -> AsyncIterator[Workers]:
     # Slow tokens (time scale 0.2: ~40 ms each) so streams stay in flight while the test looks.
     sim = start_sim(tmp_path / "sim", extra_args=["--time-scale", "0.2"])
     port = free_port()
-    proc = subprocess.Popen(  # noqa: ASYNC220 - started once, before the test's event-loop work
+    proc = spawn(
         [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
          "--workers", "2", "--routing", "round-robin", "--circuit-failures", "1",
          "--circuit-open-seconds", "60", "--log-level", "warning"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        await _wait_http(url)
+        await eventually(lambda: _ready(url), what=f"the router at {url} ready", timeout_s=30, interval_s=0.2)
         running = Workers(url, proc, sim)
         await running.each_worker("/health")  # both workers serve (and listen to each other)
         yield running
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop_group(proc)
         sim.stop()
-
-
-async def _until(check: Callable[[], Awaitable[bool]], limit: float = 15.0) -> None:
-    async with asyncio.timeout(limit):
-        while not await check():  # noqa: ASYNC110 - polls other processes' state
-            await asyncio.sleep(0.1)
 
 
 def _engines(text: str) -> dict[str, dict[str, Any]]:
@@ -127,7 +113,7 @@ async def test_a_circuit_trip_in_one_worker_opens_it_in_all(workers: Workers) ->
             views = await workers.each_worker("/engines")
             return any(_engines(t)[dead]["circuit"] == "open" for t in views.values())
 
-        await _until(tripped_somewhere)
+        await eventually(tripped_somewhere, timeout_s=15, interval_s=0.1)
     views = await workers.each_worker("/engines")
     assert {_engines(t)[dead]["circuit"] for t in views.values()} == {"open"}
     # Its series (circuit state, upstream errors) go with it, from every worker's /metrics.

@@ -6,11 +6,11 @@ import asyncio
 
 import aiohttp
 
-from harness import counter_totals
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
+from support.metrics import counter_totals
 
 
 async def test_requests_beyond_the_queue_limit_get_503_and_are_counted() -> None:

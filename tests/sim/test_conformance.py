@@ -16,12 +16,11 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
-import openai
 import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import EngineProcess
+import openai
 from kvstack.kvevents.codec import (
     REPLAY_END_SEQ,
     AllBlocksCleared,
@@ -31,6 +30,7 @@ from kvstack.kvevents.codec import (
     decode_seq,
     encode_seq,
 )
+from support.engines import EngineProcess
 
 pytestmark = pytest.mark.vllm
 

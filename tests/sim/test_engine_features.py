@@ -3,7 +3,8 @@
 Determinism (greedy, --seed, request seed), legacy metric names, legacy KV-event encoding, several engines
 in one process, the time scale and latency model (read from the sim's own histograms, which run on its
 modelled clock), P/D disaggregation, preemption, bounded state under load, many concurrent streams, and
-chat template details. Subprocess sims use the test harness; the load tests run the sim in this event loop.
+chat template details. Subprocess sims come from support.engines; the load tests run the sim in this event
+loop.
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ import asyncio
 import contextlib
 import gc
 import math
-import os
-import socket
 import sys
 import time
 import tracemalloc
@@ -27,13 +26,16 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from harness import EngineProcess, _spawn, _wait_healthy, free_port, fresh_prompt, metrics, start_sim
 from kvstack.engines.tokenizer import load_tokenizer
 from kvstack.kvevents.codec import BlockStored, decode_batch
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.scheduler import LatencyModel
 from kvstack.sim.textgen import OutputSampler
+from support.engines import EngineProcess, fresh_prompt, start_sim, wait_healthy
+from support.metrics import metrics
+from support.ports import free_ports
+from support.processes import spawn
 
 BLOCK = 16
 # The latency model, passed explicitly so the expected modelled times below do not depend on defaults.
@@ -234,35 +236,13 @@ async def test_legacy_event_encoding_sends_arrays(
     assert len(event.block_hashes) == 2 and event.parent_block_hash is None
 
 
-def free_port_run(n: int, avoid: set[int]) -> int:
-    """A port p such that p .. p+n-1 are all free now (and not in ``avoid``)."""
-    for _ in range(100):
-        base = free_port()
-        ports = range(base, base + n)
-        if base + n > 65535 or avoid.intersection(ports):
-            continue
-        socks: list[socket.socket] = []
-        try:
-            for port in ports:
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        return base
-    raise RuntimeError(f"found no {n} consecutive free ports")
-
-
 @pytest.fixture
 def three_engines(tmp_path: Path) -> Iterator[tuple[EngineProcess, int, int]]:
     """``kvstack sim --engines 3`` in one process; yields it with its HTTP and KV-event base ports."""
     last_error: Exception | None = None
     for attempt in range(3):  # another process may take a port between the check and the bind
-        port = free_port_run(3, set())
-        ev_port = free_port_run(3, set(range(port, port + 3)))
+        ports = free_ports(3)
+        port, ev_port = ports.start, free_ports(3, avoid=ports).start
         cmd = [
             sys.executable,
             "-m",
@@ -284,7 +264,7 @@ def three_engines(tmp_path: Path) -> Iterator[tuple[EngineProcess, int, int]]:
             "warning",
         ]
         log_path = tmp_path / f"sim3-{attempt}.log"
-        proc = _spawn(cmd, dict(os.environ), log_path)
+        proc = spawn(cmd, log_path, cwd=tmp_path)
         engine = EngineProcess(
             "sim",
             f"http://127.0.0.1:{port}",
@@ -297,7 +277,7 @@ def three_engines(tmp_path: Path) -> Iterator[tuple[EngineProcess, int, int]]:
         )
         try:
             for i in range(3):
-                _wait_healthy(proc, f"http://127.0.0.1:{port + i}", log_path, 30.0)
+                wait_healthy(proc, f"http://127.0.0.1:{port + i}", log_path, 30.0)
         except RuntimeError as exc:
             engine.stop()
             last_error = exc

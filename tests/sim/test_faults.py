@@ -17,11 +17,11 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import EngineProcess, start_sim
+import openai
+from support.engines import EngineProcess, start_sim
 
 # Wall-clock deadline for the engine to reach a state; only a liveness bound, never a speed assertion.
 SETTLE_S = 10.0

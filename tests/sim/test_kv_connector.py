@@ -7,12 +7,10 @@ load); wall-clock limits below are liveness bounds, never speed assertions.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +19,6 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from harness import free_port, metrics
-from harness import fresh_prompt as prompt
 from kvstack.cache import TieredStore, chunk_keys
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.server import CacheServer
@@ -35,6 +31,11 @@ from kvstack.sim.kv_cache import KVCache
 from kvstack.sim.kv_connector import CacheTierConfig, sim_kv_layout, synthetic_payload
 from kvstack.sim.scheduler import ConnectorQuery, ExternalPrefix, LatencyModel, Scheduler, SimRequest
 from kvstack.sim.textgen import OutputSampler
+from support.engines import fresh_prompt as prompt
+from support.metrics import metrics
+from support.ports import free_ports
+from support.processes import group_alive, kill_group, spawn
+from support.waiting import eventually
 
 MODEL = "tiny"
 BLOCK = 16
@@ -61,12 +62,6 @@ async def complete(
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
     return after.get(key, 0.0) - before.get(key, 0.0)
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], limit_s: float = DEADLINE_S) -> None:
-    async with asyncio.timeout(limit_s):
-        while not await check():  # noqa: ASYNC110 - polls state that has no event to wait on
-            await asyncio.sleep(0.05)
 
 
 # -- pure parts ----------------------------------------------------------------------------------------
@@ -164,7 +159,7 @@ async def until_stored(client: AsyncCacheClient, ids: list[int], chunks: int) ->
     async def stored() -> bool:
         return await client.lookup(keys) >= chunks
 
-    await eventually(stored)
+    await eventually(stored, timeout_s=DEADLINE_S, interval_s=0.05)
 
 
 async def test_a_prompt_computed_on_one_engine_is_loaded_by_the_other(
@@ -233,7 +228,7 @@ async def test_engines_keep_answering_when_the_cache_server_is_down(
         async def put_failed() -> bool:  # its saves fail too, and are counted
             return connector.stats.puts_failed > 0
 
-        await eventually(put_failed)
+        await eventually(put_failed, timeout_s=DEADLINE_S, interval_s=0.05)
         assert connector.client.stats.failures
     finally:
         for e in (a, b):
@@ -241,27 +236,6 @@ async def test_engines_keep_answering_when_the_cache_server_is_down(
 
 
 # -- kvstack up ---------------------------------------------------------------------------------------------
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p+n-1 free (`kvstack up` numbers its engines and cache sockets upwards)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n >= 65536:
-            continue
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 @dataclass
@@ -277,30 +251,20 @@ class UpProcess:
 
 @pytest.fixture
 def up(tmp_path: Path) -> Iterator[UpProcess]:
-    port, cache_port = free_ports(3), free_ports(3)
+    ports = free_ports(3)
+    port, cache_port = ports.start, free_ports(3, avoid=ports).start
     log_path = tmp_path / "up.log"
     cmd = [
         sys.executable, "-m", "kvstack.cli", "up", "--engines", "2", "--port", str(port),
         "--cache-port", str(cache_port), "--time-scale", "10", "--served-model-name", MODEL,
     ]  # fmt: skip
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = spawn(cmd, log_path)
     stack = UpProcess(proc, f"http://127.0.0.1:{port}", cache_port, log_path)
     try:
         yield stack
     finally:
-        if group_alive(proc.pid):  # the test failed before stopping it: stop the whole group
-            os.killpg(proc.pid, signal.SIGKILL)
-        if proc.poll() is None:
-            proc.wait(timeout=10)
-
-
-def group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        if group_alive(proc):  # the test failed before stopping it: stop the whole group
+            kill_group(proc)
 
 
 async def test_up_runs_a_cache_server_whose_chunks_reach_the_router_and_the_other_engine(
@@ -314,7 +278,7 @@ async def test_up_runs_a_cache_server_whose_chunks_reach_the_router_and_the_othe
         except aiohttp.ClientError:
             return False
 
-    await eventually(ready, 60.0)
+    await eventually(ready, timeout_s=60, interval_s=0.05)
     cache = f"tcp://127.0.0.1:{up.cache_port}"
     assert f"cache:    {cache}" in up.log()
 
@@ -337,7 +301,7 @@ async def test_up_runs_a_cache_server_whose_chunks_reach_the_router_and_the_othe
             for s in fam.samples
         )
 
-    await eventually(announced)
+    await eventually(announced, timeout_s=DEADLINE_S, interval_s=0.05)
     # The engine that did not compute the prompt loads it from the cache tier.
     async with http.get(f"{up.url}/engines") as r:
         urls = [e["url"] for e in (await r.json())["engines"]]
@@ -352,6 +316,6 @@ async def test_up_runs_a_cache_server_whose_chunks_reach_the_router_and_the_othe
     assert up.proc.wait(timeout=30) == 0, up.log()
 
     async def all_gone() -> bool:
-        return not group_alive(up.proc.pid)
+        return not group_alive(up.proc)
 
-    await eventually(all_gone)
+    await eventually(all_gone, timeout_s=DEADLINE_S, interval_s=0.05)

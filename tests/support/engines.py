@@ -1,75 +1,29 @@
-"""Start and stop engine servers for tests: real vLLM (its own virtualenv) and ``kvstack sim``.
+"""Engine servers for tests: real vLLM (its own virtualenv) and ``kvstack sim``, as subprocesses.
 
-Servers bind 127.0.0.1 on free ports, run in their own process group, and are stopped by that
-group's id (never by name). Start-up waits on /health with a deadline and shows the server's log
-tail when it fails. Also `TierRecorder`, a KV cache tier listener for the tier tests.
+Servers bind 127.0.0.1 on free ports, run in their own process group, and are stopped by that group's id
+(never by name). Start-up waits on /health with a deadline and shows the server's log tail when it fails.
+Tests that need the vLLM virtualenv call ``require_vllm()``: it skips without one, or fails when
+KVSTACK_REQUIRE_VLLM=1 (as `make test` and CI set it).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
+import pytest
 
-from kvstack.cache.keys import ChunkKey
+from support.ports import free_port
+from support.processes import spawn, stop_group
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _ephemeral_low() -> int:
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-_EPHEMERAL_LOW = _ephemeral_low()
-_ports = random.Random()  # not the tests' seeded generators: the same port every run would be no safer
-
-
-def free_port() -> int:
-    """A 127.0.0.1 port nothing is bound to, for a server started later (a subprocess, or anything that
-    needs its port up front; in-process servers bind port 0 instead).
-
-    Picked below the kernel's ephemeral range: a port from that range (what binding port 0 returns) can be
-    handed to any outgoing connection between this check and the server's own bind, which then fails with
-    "address already in use" (seen once in a full run). Ports below it are only ever taken by a bind."""
-    high = max(1025, min(_EPHEMERAL_LOW, 65536))  # exclusive
-    for _ in range(100):
-        port = _ports.randrange(max(1024, high - 12000), high)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # the range below is crowded: fall back to the kernel's choice
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def counter_totals(text: str, family: str, *labels: str) -> dict[tuple[str, ...], float]:
-    """The ``_total`` samples of counter ``family`` in a /metrics page, keyed by the values of ``labels``."""
-    return {
-        tuple(sample.labels[name] for name in labels): sample.value
-        for found in text_string_to_metric_families(text)
-        if found.name == family
-        for sample in found.samples
-        if sample.name.endswith("_total")
-    }
+REPO = Path(__file__).resolve().parents[2]
 
 
 def vllm_python() -> Path:
@@ -82,6 +36,16 @@ def vllm_missing_reason() -> str | None:
     if not py.exists():
         return f"no vLLM virtualenv at {py} (run `make vllm`, or set KVSTACK_VLLM_PYTHON)"
     return None
+
+
+def require_vllm() -> None:
+    """Skip the test without the vLLM virtualenv (fail instead when KVSTACK_REQUIRE_VLLM=1)."""
+    reason = vllm_missing_reason()
+    if reason is None:
+        return
+    if os.environ.get("KVSTACK_REQUIRE_VLLM") == "1":
+        pytest.fail(f"real vLLM is required here but {reason}")
+    pytest.skip(reason)
 
 
 @dataclass
@@ -105,20 +69,10 @@ class EngineProcess:
             return "(no log)"
 
     def stop(self, timeout: float = 30.0) -> None:
-        if self.proc.poll() is not None:
-            return
-        pgid = self.proc.pid  # started with start_new_session=True: the pid is the group id
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-            self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(pgid, signal.SIGKILL)
-            self.proc.wait(timeout=10)
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc, timeout)
 
 
-def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, deadline_s: float) -> None:
+def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, deadline_s: float) -> None:
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -133,21 +87,6 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, deadl
         time.sleep(0.5)
     tail = log_path.read_text(errors="replace")[-4000:]
     raise RuntimeError(f"server at {url} not healthy after {deadline_s:.0f}s:\n{tail}")
-
-
-def _spawn(cmd: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
-    log = log_path.open("wb")
-    try:
-        return subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-            cwd=str(log_path.parent),
-        )
-    finally:
-        log.close()
 
 
 def start_vllm(
@@ -207,10 +146,10 @@ def start_vllm(
     server_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"
-    proc = _spawn(cmd, server_env, log_path)
+    proc = spawn(cmd, log_path, env=server_env, cwd=log_path.parent)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log_path, deadline_s)
+        wait_healthy(proc, url, log_path, deadline_s)
     except Exception:
         EngineProcess("vllm", url, served_name, "", None, proc, log_path, 128).stop()
         raise
@@ -271,10 +210,10 @@ def start_sim(
     cmd += extra_args or []
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"sim-{port}.log"
-    proc = _spawn(cmd, dict(os.environ), log_path)
+    proc = spawn(cmd, log_path, cwd=log_path.parent)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait_healthy(proc, url, log_path, deadline_s)
+        wait_healthy(proc, url, log_path, deadline_s)
     except Exception:
         EngineProcess("sim", url, served_name, "", None, proc, log_path, block_size).stop()
         raise
@@ -290,46 +229,6 @@ def start_sim(
     )
 
 
-# -- simulated engines: prompts and metrics -------------------------------------------------------------
 def fresh_prompt(tag: int, n: int) -> list[int]:
     """Token ids keyed by ``tag`` (distinct first block per tag), avoiding the special ids 0-2."""
     return [3 + (tag * 7919 + i * 31) % 2000 for i in range(n)]
-
-
-def samples(text: str) -> dict[str, float]:
-    """Every sample keyed by exposition name plus its labels (without model_name/engine)."""
-    out: dict[str, float] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            labels = ",".join(
-                f"{k}={v}" for k, v in sorted(s.labels.items()) if k not in ("model_name", "engine")
-            )
-            out[f"{s.name}{{{labels}}}" if labels else s.name] = float(s.value)
-    return out
-
-
-async def metrics(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
-    """An engine's /metrics as `samples`."""
-    async with http.get(f"{url}/metrics") as r:
-        assert r.status == 200
-        return samples(await r.text())
-
-
-class TierRecorder:
-    """A KV cache tier listener that records what it hears (the whole `TierListener` protocol)."""
-
-    def __init__(self) -> None:
-        self.stored_keys: list[ChunkKey] = []
-        self.removed_keys: list[ChunkKey] = []
-
-    def stored(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.stored_keys += keys
-
-    def removed(self, tier: object, keys: Sequence[ChunkKey]) -> None:
-        self.removed_keys += keys
-
-    def annotation(self, key: ChunkKey) -> bytes | None:
-        return None
-
-    def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
-        pass
