@@ -1,5 +1,6 @@
-"""Discovery: static specs, the polled engines file, and Kubernetes pods through the real kubernetes_asyncio
-client talking to tests/fake_k8s.py over HTTP (list, watch, expiry, dropped streams, flapping pods)."""
+"""Discovery: static specs, the polled engines file (bad entries reported, the last good list kept), and
+Kubernetes pods through the real kubernetes_asyncio client talking to support/fake_k8s.py over HTTP (list,
+watch, expiry, dropped streams, flapping pods)."""
 
 from __future__ import annotations
 
@@ -282,6 +283,64 @@ async def test_file_invalid_from_the_start_then_fixed(
             write(path, "engines:\n  - {url: http://h:1, role: decode}\n")
             await eventually(lambda: "http://h:1" in registry.endpoints)
     assert "no engines loaded from it yet" in caplog.records[0].getMessage()
+
+
+async def test_bad_url_in_engines_file_is_reported_and_reloading_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = tmp_path / "engines.yaml"
+    write(path, "engines:\n  - url: http://127.0.0.1:18101\n")
+    discovery = FileDiscovery(path, poll_interval_s=0.02)
+    seen: dict[str, Endpoint] = {}
+
+    def apply(update: DiscoveryUpdate) -> None:
+        if update.kind is UpdateKind.REMOVED:
+            del seen[update.endpoint.url]
+        else:
+            seen[update.endpoint.url] = update.endpoint
+
+    discovery.start(apply)
+    try:
+        await discovery.wait_synced()
+        assert list(seen) == ["http://127.0.0.1:18101"]
+        with caplog.at_level(logging.ERROR, "kvstack.engines.discovery"):
+            write(path, 'engines:\n  - url: http://127.0.0.1:18101\n  - url: "http://[::1:18102"\n')
+            await eventually(lambda: any("engines[1]" in r.getMessage() for r in caplog.records))
+            await asyncio.sleep(0.1)  # a few more polls: the task must still be alive
+        (error,) = [r.getMessage() for r in caplog.records]
+        assert f"engines file {path}: engines[1]: 'http://[::1:18102' is not an engine base URL" in error
+        assert "Invalid IPv6 URL" in error and "keeping the last good list (1 engines)" in error
+        assert list(seen) == ["http://127.0.0.1:18101"]
+        write(path, "engines:\n  - url: http://127.0.0.1:18101\n  - url: http://[::1]:18102\n")
+        await eventually(lambda: "http://[::1]:18102" in seen)
+    finally:
+        await discovery.stop()
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("http://127.0.0.1:18102#role=decode", "options after '#' are read only in the string form"),
+        ("http://127.0.0.1 :18101", "contains whitespace"),
+        ("http://[::1:18102", "Invalid IPv6 URL"),
+        ("http://h:0", "port 0"),
+    ],
+)
+def test_mapping_entry_url_with_options_or_whitespace_is_refused(url: str, message: str) -> None:
+    with pytest.raises(DiscoveryConfigError) as info:
+        parse_engines_file(f'engines:\n  - url: "{url}"\n    models: [m]\n', "e.yaml")
+    assert str(info.value).startswith(f"e.yaml: engines[0]: {url!r} is not an engine base URL")
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("where", ["spec", "file"])
+def test_a_kv_events_endpoint_must_be_tcp_or_ipc(where: str) -> None:
+    with pytest.raises(DiscoveryConfigError, match="must be tcp://host:port or ipc://path"):
+        if where == "spec":
+            parse_engine_spec("http://h:8000#kv-events=127.0.0.1:5557")
+        else:
+            parse_engines_file("engines:\n  - {url: 'http://h:8000', kv_events: '127.0.0.1:5557'}\n")
+    assert parse_engine_spec("http://h:8000#kv-events=ipc:///tmp/e").kv_events_endpoint == "ipc:///tmp/e"
 
 
 # -- kubernetes --------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The `kvstack router` command: argument errors, and --workers processes sharing one port."""
+"""The `kvstack router` command: argument errors (every numeric option checked, discovery sources that
+cannot be combined), --workers processes sharing one port, and the scrape interval."""
 
 from __future__ import annotations
 
@@ -10,6 +11,10 @@ import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+from kvstack import cli
+from kvstack.router.server import RouterOptions
 from support.engines import EngineProcess, start_sim
 from support.ports import free_port
 from support.processes import kill_group, spawn, stop_group
@@ -31,6 +36,64 @@ def test_bad_arguments_exit_2_with_the_reason() -> None:
     for flag in ("--scrape-interval", "--scrape-timeout"):
         bad_scrape = _cli("--engine", "http://127.0.0.1:9", flag, "0")
         assert bad_scrape.returncode == 2 and "must be positive" in bad_scrape.stderr
+
+
+@pytest.fixture
+def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A router the options let start is a test failure, not a server running until the test times out."""
+
+    def refuse(opts: RouterOptions) -> None:
+        raise AssertionError("the router started")
+
+    monkeypatch.setattr("kvstack.router.server.serve_forever", refuse)
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "message"),
+    [
+        ("--max-queue", "-1", "must be >= 0, got -1"),
+        ("--max-in-flight", "-2", "must be >= 0, got -2"),
+        ("--queue-timeout", "-1", "must be positive"),
+        ("--index-max-entries", "0", "must be >= 1, got 0"),
+        ("--max-attempts", "0", "must be >= 1, got 0"),
+        ("--timeout-total", "-1", "must be positive"),
+        ("--timeout-connect", "0", "must be positive"),
+        ("--timeout-first-byte", "nan", "must be positive"),
+        ("--timeout-idle", "inf", "must be positive and finite"),
+        ("--max-body-mb", "-1", "must be positive"),
+        ("--circuit-open-seconds", "-5", "must be positive"),
+        ("--circuit-failures", "0", "must be >= 1, got 0"),
+        ("--scrape-interval", "0", "must be positive"),
+        ("--scrape-timeout", "-0.5", "must be positive"),
+        ("--workers", "0", "must be >= 1, got 0"),
+        ("--port", "70000", "must be from 0 to 65535"),
+        ("--k8s-port", "0", "must be from 1 to 65535"),
+        ("--max-queue", "many", "'many' is not an integer"),
+        ("--timeout-total", "soon", "'soon' is not a number"),
+    ],
+)
+def test_router_numeric_options_are_checked(
+    option: str, value: str, message: str, capsys: pytest.CaptureFixture[str], no_serving: None
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["router", "--port", "0", "--engine", "http://127.0.0.1:9", option, value])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}: {message}" in err and "Traceback" not in err
+
+
+def test_discovery_sources_that_cannot_be_combined_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], no_serving: None
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(
+            ["router", "--port", "0", "--engines-file", str(tmp_path / "e.yaml"), "--k8s-namespace", "llm"]
+        )
+    assert info.value.code == 2
+    assert "argument --k8s-namespace: not allowed with argument --engines-file" in capsys.readouterr().err
+    for option, value in (("--k8s-selector", "app=vllm"), ("--k8s-port", "8000")):
+        assert cli.main(["router", "--port", "0", "--engine", "http://127.0.0.1:9", option, value]) == 2
+        assert "apply only with --k8s-namespace" in capsys.readouterr().err
 
 
 def _children(pid: int) -> list[int]:

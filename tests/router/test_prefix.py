@@ -1,7 +1,7 @@
-"""Prefix locator fixes from the KV-event audit: LoRA adapters and cache salts (F2), cache-server chunks
-credited only to their model (F3), one block size per engine that odd events cannot switch (F4), a bounded
-keyer cache (F11). Events are built as vLLM 0.32 sends them and go through the wire codec before the locator
-sees them."""
+"""The router's prefix locator (kvstack.router.prefix): LoRA adapters and cache salts, cache-server chunks
+credited only to their model, one block size per engine that odd events cannot switch, a bounded keyer
+cache. Events are built as vLLM 0.32 sends them and go through the wire codec before the locator sees
+them."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def base_and_lora() -> PrefixLocator:
     return locator
 
 
-# -- F2: LoRA adapters and cache salts ----------------------------------------------------------------------
+# -- LoRA adapters and cache salts ---------------------------------------------------------------------------
 
 
 def test_lora_request_is_credited_only_with_its_adapters_blocks() -> None:
@@ -113,7 +113,7 @@ async def test_router_looks_up_the_requests_adapter_and_salt() -> None:
     await route("base", cache_salt="s")  # accepted, not an error
 
 
-# -- F4: one block size per engine --------------------------------------------------------------------------
+# -- one block size per engine -------------------------------------------------------------------------------
 
 
 def test_partial_block_event_does_not_switch_the_engines_block_size() -> None:
@@ -157,7 +157,7 @@ def test_restarted_engine_with_another_block_size_takes_over_after_a_block() -> 
     assert locator.lookup(TOKENS, [engine(A)]).view.precise == {A: (64, 64, 64, 64)}
 
 
-# -- F11: the keyer cache is bounded ------------------------------------------------------------------------
+# -- the keyer cache is bounded ------------------------------------------------------------------------------
 
 
 def test_keyer_cache_is_bounded_and_a_forgotten_engine_leaves_no_layout() -> None:
@@ -170,7 +170,7 @@ def test_keyer_cache_is_bounded_and_a_forgotten_engine_leaves_no_layout() -> Non
     assert locator.block_size(A) is None and A not in locator._layouts
 
 
-# -- F3: cache-server chunks are credited only to their model ---------------------------------------------
+# -- cache-server chunks are credited only to their model ----------------------------------------------------
 
 
 def test_cache_chunks_are_credited_only_to_their_models_requests_and_engines() -> None:

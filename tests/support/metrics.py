@@ -1,4 +1,5 @@
-"""Prometheus exposition pages as numbers: every sample by name and labels, or a counter's totals."""
+"""Prometheus exposition pages as numbers: every sample by name and labels, a sum of samples, or a
+counter's totals by label."""
 
 from __future__ import annotations
 
@@ -15,6 +16,17 @@ def counter_totals(text: str, family: str, *labels: str) -> dict[tuple[str, ...]
         for sample in found.samples
         if sample.name.endswith("_total")
     }
+
+
+def sample_sum(text: str, name: str, **labels: str) -> float:
+    """The sum of the samples called ``name`` (exposition name, e.g. ``..._total``) whose labels include
+    ``labels``; 0 when there is none."""
+    return sum(
+        sample.value
+        for found in text_string_to_metric_families(text)
+        for sample in found.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def samples(text: str) -> dict[str, float]:
