@@ -60,7 +60,9 @@ def test_sync_round_trips(server: CacheServer, shm: bool) -> None:
         assert client.lookup(keys) == 4
         assert client.locate(keys) == ["memory"] * 4
         assert client.exists([keys[5], keys[1], keys[3]]) == [False, True, True]
-        with client.get(keys) as chunks:  # type: ignore[union-attr]
+        chunks = client.get(keys)
+        assert chunks is not None
+        with chunks:
             assert [bytes(c) for c in chunks] == data[:4]
             assert all(c.readonly for c in chunks)
         if shm:
@@ -116,10 +118,12 @@ def test_reserve_fill_put_is_one_copy_and_space_is_reused(server: CacheServer) -
             alloc = arena.allocator.alloc
             arena.allocator.alloc = None  # type: ignore[assignment,method-assign]  # a copy would allocate
             assert client.put(keys, list(regions))
-            arena.allocator.alloc = alloc  # type: ignore[method-assign]
+            arena.allocator.alloc = alloc  # type: ignore[method-assign]  # the allocator restored
             assert client.stats.shm_bytes - shm_before == 400_000
             assert arena.allocator.used_bytes == 0  # the put freed what it sent
-            with client.get(keys) as chunks:  # type: ignore[union-attr]
+            chunks = client.get(keys)
+            assert chunks is not None
+            with chunks:
                 assert [bytes(c) for c in chunks] == data
         assert arena is not None and client._core.arena is arena  # never retired: no copy path was needed
 
@@ -134,7 +138,9 @@ def test_reserve_fill_put_is_one_copy_and_space_is_reused(server: CacheServer) -
         assert regions is not None
         regions[0][:] = b"x" * 1000
         assert client.put([key(900, b"reserve")], [regions[0][:500]])
-        with client.get([key(900, b"reserve")]) as chunks:  # type: ignore[union-attr]
+        chunks = client.get([key(900, b"reserve")])
+        assert chunks is not None
+        with chunks:
             assert bytes(chunks[0]) == b"x" * 500
         assert arena.allocator.used_bytes > 0  # the reservation itself was not sent: still held
         regions.release()
@@ -164,7 +170,7 @@ def test_reserved_views_survive_a_fallback_to_the_socket() -> None:
         srv.arenas.sweep()
         assert client.put([key(7, b"fallback")], list(regions))
         assert not client.shm_active and client.stats.failures == {"error:arena": 1}
-        with client.get([key(7, b"fallback")]) as chunks:  # type: ignore[union-attr]
+        with client.get([key(7, b"fallback")]) as chunks:
             assert bytes(chunks[0]) == payload(7, 50_000)
         assert arena.allocator.used_bytes == 0
 

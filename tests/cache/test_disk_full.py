@@ -299,10 +299,10 @@ async def test_delete_is_false_and_the_chunk_stays_indexed_when_its_file_cannot_
     stuck = chunk_files(tmp_path)[key(1)]
     unlink = os.unlink
 
-    def read_only_unlink(path: str | os.PathLike[str], *args: object, **kwargs: object) -> None:
+    def read_only_unlink(path: str | os.PathLike[str], *, dir_fd: int | None = None) -> None:
         if Path(path) == stuck:
             raise OSError(errno.EROFS, os.strerror(errno.EROFS), os.fspath(path))
-        unlink(path, *args, **kwargs)  # type: ignore[arg-type]
+        unlink(path, dir_fd=dir_fd)
 
     with monkeypatch.context() as patch:
         patch.setattr(os, "unlink", read_only_unlink)

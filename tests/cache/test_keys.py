@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 from array import array
+from typing import Any
 
 import numpy as np
 import pytest
@@ -99,7 +100,7 @@ def test_keys_stable_across_processes_and_hash_seeds() -> None:
     ],
     ids=lambda change: next(iter(change)),
 )
-def test_every_layout_field_changes_every_key(change: dict[str, object]) -> None:
+def test_every_layout_field_changes_every_key(change: dict[str, Any]) -> None:
     tokens = _tokens(256 * 4 + 10)
     other = dataclasses.replace(LAYOUT, **change)
     assert other.namespace() != LAYOUT.namespace()

@@ -159,13 +159,15 @@ async def test_put_many_error_replies_are_counted_and_the_connection_stays_in_st
 ) -> None:
     # Every SET refused by the server (out of memory, noeviction): each error reply is read, none raised.
     limits = await raw.config_get("maxmemory*")
+    memory, policy = limits["maxmemory"], limits["maxmemory-policy"]
+    assert memory is not None and policy is not None
     await raw.config_set("maxmemory-policy", "noeviction")
     await raw.config_set("maxmemory", 1)
     try:
         assert await tier.put_many([(key(i), payload(i)) for i in range(3)]) == 0
     finally:
-        await raw.config_set("maxmemory", limits["maxmemory"])
-        await raw.config_set("maxmemory-policy", limits["maxmemory-policy"])
+        await raw.config_set("maxmemory", memory)
+        await raw.config_set("maxmemory-policy", policy)
     stats = tier.stats()
     assert stats.errors == 3 and stats.write_drops == 3 and tier.up
     # The next batch on the same pooled connection gets its own replies, not leftovers.
@@ -220,6 +222,7 @@ async def test_flipped_bytes_in_redis_are_a_miss_deleted_and_counted(
         await tier.put(key(i), payload(i))
         name = f"{tier.prefix}{key(i).hex()}"
         value = await raw.getrange(name, offset, offset)
+        assert isinstance(value, bytes)
         await raw.setrange(name, offset, bytes([value[0] ^ 0x40]))
     await tier.put(key(9), payload(9))
     # A sound value among corrupt ones keeps its place.
@@ -435,7 +438,7 @@ async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies
     for name, value in values.items():
         assert await conn.call(b"SET", name, value) == b"OK"
     names = list(values)
-    held: list[tuple[bytes, object]] = []
+    held: list[tuple[bytes, memoryview | bytes]] = []
     for round_ in range(12):  # ~70 MiB through the connection: many arenas, some reused from the pool
         picked = names[round_ % 3 :] + names[: round_ % 3]
         got = await conn.call(b"MGET", *picked)
@@ -443,7 +446,7 @@ async def test_resp_values_sliced_from_the_arena_stay_intact_while_later_replies
         held += zip(picked, got, strict=True)
         if round_ == 5:
             del held[: len(held) // 2]  # let some arenas go back to the pool
-    assert all(bytes(value) == values[name] for name, value in held)  # type: ignore[call-overload]
+    assert all(bytes(value) == values[name] for name, value in held)
     small = [value for name, value in held if len(values[name]) <= ARENA_VALUE_MAX]
     assert small and all(isinstance(value, memoryview) for value in small)
     large = [value for name, value in held if len(values[name]) > ARENA_VALUE_MAX]
@@ -492,18 +495,19 @@ async def test_resp_pipeline_framed_as_it_goes_out_and_a_framing_error_closes_th
             framed.append(i)
             yield pack_command(b"SET", b"stream:%d" % i, value)
 
-    transport = conn._transport
+    assert conn._transport is not None
+    transport: asyncio.Transport = conn._transport
     writes: list[int] = []
 
     class CountingTransport:
         def writelines(self, frames: list[bytes]) -> None:
             writes.append(sum(map(len, frames)))
-            transport.writelines(frames)  # type: ignore[union-attr]
+            transport.writelines(frames)
 
         def __getattr__(self, name: str) -> object:
             return getattr(transport, name)
 
-    conn._transport = CountingTransport()  # type: ignore[assignment]
+    conn._transport = CountingTransport()  # type: ignore[assignment]  # counts, forwards the rest
     assert await conn.send(commands(), len(values), 256 * 1024) == [b"OK"] * len(values)
     assert framed == list(range(8))
     assert len(writes) == 3 and min(writes[:2]) >= 256 * 1024  # 3 commands, 3 more, the last 2
@@ -513,7 +517,8 @@ async def test_resp_pipeline_framed_as_it_goes_out_and_a_framing_error_closes_th
     )
     assert len(writes) == 4  # without write_every: one write
     conn._transport = transport
-    assert [bytes(v) for v in await conn.call(b"MGET", *[b"stream:%d" % i for i in range(8)])] == values
+    got = await conn.call(b"MGET", *[b"stream:%d" % i for i in range(8)])
+    assert isinstance(got, list) and [bytes(v) for v in got] == values
 
     def broken() -> Iterator[list[bytes]]:
         yield pack_command(b"SET", b"stream:0", b"changed")

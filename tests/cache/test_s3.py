@@ -154,7 +154,8 @@ def count_requests(tier: S3Tier, operation: str) -> list[int]:
     def before_send(**kwargs: Any) -> None:
         sent[0] += 1
 
-    tier._client.meta.events.register(f"before-send.s3.{operation}", before_send)  # the tier's own client
+    assert tier._client is not None  # the tier's own client, once started
+    tier._client.meta.events.register(f"before-send.s3.{operation}", before_send)
     return sent
 
 
@@ -211,6 +212,7 @@ async def test_requests_in_flight_are_bounded_by_concurrency(moto: MotoServer, r
         await gate.wait()
         waiting -= 1
 
+    assert tier._client is not None
     tier._client.meta.events.register("before-send.s3.GetObject", hold)
     reading = asyncio.create_task(tier.get_many([key(i) for i in range(10)]))
 
@@ -306,7 +308,8 @@ async def test_unreachable_endpoint_at_start_is_down_not_an_error() -> None:
         region="us-east-1",
         retry_initial_s=0.05,
         retry_max_s=0.1,
-        **{"access_key_id": "testing", "secret_access_key": "testing"},
+        access_key_id="testing",
+        secret_access_key="testing",
     )
     await tier.start()
     assert not tier.up

@@ -27,6 +27,7 @@ from kvstack.cache.protocol import (
     Lookup,
     LookupReply,
     ProtocolError,
+    Reply,
     Stats,
     UnixFramer,
     decode_reply,
@@ -126,7 +127,9 @@ def test_sync_client_over_a_unix_socket(sock_path: str, shm: bool) -> None:
             assert client.put(keys[:4], data[:4]) and client.node == "u" and client.shm_active is shm
             assert client.lookup(keys) == 4 and client.locate(keys) == ["memory"] * 4
             assert client.exists([keys[5], keys[1]]) == [False, True]
-            with client.get(keys) as chunks:  # type: ignore[union-attr]
+            chunks = client.get(keys)
+            assert chunks is not None
+            with chunks:
                 assert [bytes(c) for c in chunks] == data[:4]
             assert (client.stats.shm_bytes > 0) is shm and (client.stats.socket_bytes > 0) is not shm
             assert client.evict([keys[1]]) == 1 and client.lookup(keys) == 1
@@ -329,7 +332,7 @@ async def test_a_full_server_stops_reading_a_unix_connection_until_a_task_ends(s
     gate = asyncio.Event()
 
     class SlowTier(DictTier):
-        async def contains(self, keys: Sequence[ChunkKey]) -> int:
+        async def contains(self, keys: Sequence[bytes]) -> int:
             await gate.wait()
             return await super().contains(keys)
 
@@ -344,11 +347,11 @@ async def test_a_full_server_stops_reading_a_unix_connection_until_a_task_ends(s
         assert len(srv._tasks) == 1 and srv._unix_waiting
         gate.set()
         framer = UnixFramer(8, 1 << 20)
-        replies = []
+        replies: list[Reply] = []
         while len(replies) < 3:
             framer.feed(await asyncio.wait_for(reader.read(1 << 16), 2))
-            while (frames := framer.next()) is not None:
-                replies.append(decode_reply(frames[0]))
+            while (reply := framer.next()) is not None:
+                replies.append(decode_reply(reply[0]))
         assert sorted(r.id for r in replies) == [1, 2, 3]
         assert all(isinstance(r, LookupReply) and r.count == 0 for r in replies)
         assert not srv._unix_waiting

@@ -261,10 +261,9 @@ class FakeStore:
             self.tiers[key] = tier
 
 
-def planner(store: FakeStore, **kw: bool) -> ChunkPlanner:
-    return ChunkPlanner(
-        chunk_size=CHUNK, block_size=BLOCK, keys_for=keys_by_rank([LAYOUT], CHUNK), locate=store.locate, **kw
-    )
+def planner(store: FakeStore, *, load: bool = True, save: bool = True, workers: int = 1) -> ChunkPlanner:
+    keys_for = keys_by_rank([LAYOUT], CHUNK)
+    return ChunkPlanner(CHUNK, BLOCK, keys_for, store.locate, load=load, save=save, workers=workers)
 
 
 def test_cold_prompt_saves_its_full_chunks_with_tokens_and_parents() -> None:
@@ -556,7 +555,7 @@ def test_workers_must_be_positive() -> None:
 
 
 def job(req_id: str, n: int = 1) -> RequestSave:
-    chunk = ChunkSave((b"k" * 32,), (1, 2, 3), (4, 5))
+    chunk = ChunkSave((ChunkKey(b"k" * 32),), (1, 2, 3), (4, 5))
     return RequestSave(req_id, None, (chunk,) * n)
 
 
@@ -640,7 +639,12 @@ def test_a_held_request_is_released_once_when_its_saves_have_read_its_blocks() -
     assert q.take_released() == set()
     released: set[str] = set()
     kv.gate.set()  # the gather is done; its send still waits, but the blocks are not needed any more
-    wait_until(lambda: released.update(q.take_released()) or released)
+
+    def some_released() -> set[str]:
+        released.update(q.take_released())
+        return released
+
+    wait_until(some_released)
     assert released == {"r"} and kv.sent == []
     kv.send_gate.set()
     wait_until(lambda: q.stats.saved == 1)

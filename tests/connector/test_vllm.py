@@ -92,7 +92,7 @@ def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
 
 def start_engine(model: Path, workdir: Path, server: str) -> EngineProcess:
     """vLLM with the connector, imported from this checkout's src/."""
-    config = {
+    config: dict[str, object] = {
         "kv_connector": "KVStackConnector",
         "kv_connector_module_path": "kvstack.connector.vllm_v1",
         "kv_role": "kv_both",
@@ -633,7 +633,9 @@ def test_wrong_kv_changes_the_answer(
     change the answer, so equal answers do show that the right KV arrived."""
     client = cache_server.client()
     try:
-        with client.get(keys(MAIN)) as other:
+        chunks = client.get(keys(MAIN))
+        assert chunks is not None
+        with chunks as other:
             payloads = [bytes(p) for p in other]
         assert len(payloads) == 2
         assert client.evict(keys(SWAPPED)) == 2 and client.put(keys(SWAPPED), payloads)
@@ -653,7 +655,9 @@ def test_the_cache_survives_an_engine_restart(
     old_pid = engine_b.proc.pid
     engine_b.stop()
     assert engine_b.proc.poll() is not None
-    restarted = engine_b.extra["restart"]()
+    restart = engine_b.extra["restart"]
+    assert callable(restart)
+    restarted = restart()
     # In place: the module's later tests use the restarted engine (and the fixture stops it).
     vars(engine_b).update({k: v for k, v in vars(restarted).items() if k != "extra"})
     assert engine_b.proc.pid != old_pid

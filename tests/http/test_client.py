@@ -38,7 +38,8 @@ class _Conn(asyncio.Protocol):
         self.paused_writing = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
         self.owner.connections.append(self)
 
     def data_received(self, data: bytes) -> None:

@@ -10,6 +10,7 @@ import json
 import shutil
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import aiohttp
 import pytest
@@ -31,12 +32,12 @@ class Served:
         return await asyncio.open_connection("127.0.0.1", self.port)
 
 
-async def _serve(handler: Handler, **kwargs: object) -> Served:
+async def _serve(handler: Handler, **kwargs: Any) -> Served:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     sock.setblocking(False)
-    server = HttpServer(handler, **{"max_body": 1 << 20, **kwargs})  # type: ignore[arg-type]
+    server = HttpServer(handler, **{"max_body": 1 << 20, **kwargs})
     await server.start(sock)
     return Served(server, sock.getsockname()[1])
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from array import array
+from typing import Any
 
 import pytest
 
@@ -88,9 +89,9 @@ def test_many_locations() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"), [({"max_blocks_per_location": 0}, "max_blocks"), ({"ttl_s": 0}, "ttl")]
 )
-def test_bad_bounds_are_refused(kwargs: dict[str, float], match: str) -> None:
+def test_bad_bounds_are_refused(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
-        HistoryIndex(**kwargs)  # type: ignore[arg-type]
+        HistoryIndex(**kwargs)
 
 
 def test_resending_the_same_blocks_keeps_memory_bounded() -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,11 @@ class CountingObserver:
 
     def kv_connected(self, engine: str, connected: bool) -> None:
         self.connected.append(connected)
+
+
+def connections(observer: CountingObserver, connected: bool, *, more_than: int) -> Callable[[], bool]:
+    """Whether ``observer`` heard more than ``more_than`` (dis)connections."""
+    return lambda: observer.connected.count(connected) > more_than
 
 
 class ScriptedPublisher:
@@ -421,7 +426,7 @@ async def test_restarted_publisher_on_the_same_port_is_resynced(ctx: zmq.asyncio
     try:
         for first, restart_no in ((0, 0), (100, 1)):
             async with KVEventPublisher(endpoint, replay_endpoint=replay_endpoint, context=ctx) as engine:
-                await eventually(lambda n=restart_no: observer.connected.count(True) > n, timeout_s=TIMEOUT)
+                await eventually(connections(observer, True, more_than=restart_no), timeout_s=TIMEOUT)
                 # The subscription travels after the connection; publish until the first batch arrives.
                 # Every batch stays in the replay buffer, so those sent too early are replayed.
                 async with asyncio.timeout(TIMEOUT):
@@ -429,7 +434,7 @@ async def test_restarted_publisher_on_the_same_port_is_resynced(ctx: zmq.asyncio
                         engine.publish(_batch(first + engine.next_seq).events)
                         engine.flush()
                         await asyncio.sleep(0.05)
-            await eventually(lambda n=restart_no: observer.connected.count(False) > n, timeout_s=TIMEOUT)
+            await eventually(connections(observer, False, more_than=restart_no), timeout_s=TIMEOUT)
         # The second engine life started from seq 0 again: the subscriber reset before applying it.
         assert "restart" in sink.resets or "disconnected" in sink.resets
         second_life = sink.applied[sink.applied.index(100) :]

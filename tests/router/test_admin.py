@@ -156,7 +156,8 @@ async def test_admin_add_checks_every_field(sims: list[RunningEngine], field: st
                 f"{router.url}/admin/engines", json={"url": sims[1].url, "type": "VLLM"}
             ) as r:
                 assert r.status == 200
-            assert router.app.registry.get(sims[1].url).state.endpoint.engine_type == "vllm"
+            entry = router.app.registry.get(sims[1].url)
+            assert entry is not None and entry.state.endpoint.engine_type == "vllm"
     finally:
         await router.stop()
 

@@ -237,7 +237,7 @@ def patch_metrics(engine: RunningEngine, transform: Callable[[bytes], bytes]) ->
     """Make a simulator's /metrics answer ``transform(real dump)`` from now on."""
     metrics = engine.engine.metrics
     real = type(metrics).render
-    metrics.render = lambda: transform(real(metrics))  # type: ignore[method-assign]
+    metrics.render = lambda: transform(real(metrics))  # type: ignore[method-assign]  # this engine only
 
 
 def with_queue(waiting: int) -> Callable[[bytes], bytes]:
@@ -362,6 +362,7 @@ async def vllm_counts(http: aiohttp.ClientSession, url: str) -> tuple[float, flo
 def carrying_requests(router: RunningRouter) -> set[Any]:
     """The router's upstream connections carrying a request now (open, and not idle in its pool)."""
     pool = router.upstream
+    assert pool is not None
     idle = {conn for conns in pool._idle_conns.values() for conn in conns}
     return {conn for conn in pool._open if conn not in idle}
 
@@ -383,7 +384,7 @@ async def assert_aborted(
         return all(conn.closed for conn in carrying) or None
 
     await eventually(closed, what="the router closing its connection to vLLM", timeout_s=10, interval_s=0.05)
-    assert not carrying & router.upstream._open
+    assert router.upstream is not None and not carrying & router.upstream._open
     await eventually(
         lambda: _none_in_flight(router), what="router in-flight back to 0", timeout_s=10, interval_s=0.05
     )
@@ -471,10 +472,11 @@ async def test_vllm_passthrough_paths(vllm_router: RunningRouter, vllm_engine: E
         )
         assert direct == (404, "application/json", b'{"detail":"Not Found"}')
         assert routed == direct
-        for path, body in [
+        passed: list[tuple[str, dict[str, Any]]] = [
             ("/tokenize", {"model": MODEL, "prompt": "hello world"}),
             ("/detokenize", {"model": MODEL, "tokens": [5, 6, 7]}),
-        ]:
+        ]
+        for path, body in passed:
             direct, routed = await post_both(http, vllm_engine.url, vllm_router.url, path, body)
             assert direct[0] == 200 and routed == direct
         async with http.post(

@@ -8,6 +8,7 @@ import asyncio
 from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import aiohttp
 import pytest
@@ -114,6 +115,7 @@ async def test_repeats_follow_the_engine_that_holds_the_prefix_until_its_cache_i
 ) -> None:
     first = await kv_stack.complete(LONG)
     locator = kv_stack.router.locator
+    assert locator is not None
     await eventually(lambda: locator.index.stats().entries >= 20, timeout_s=30)
     assert locator.index.locations() == [first]
     # Repeats, as completions and as chat whose user message is the same long text, stay on the holder.
@@ -130,8 +132,7 @@ async def test_repeats_follow_the_engine_that_holds_the_prefix_until_its_cache_i
     async with kv_stack.http.post(f"{first}/v1/completions", json=body) as r:
         assert r.status == 200
     await eventually(lambda: first not in locator.index.locations(), timeout_s=30)
-    tokens = await kv_stack.router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
-    assert tokens is not None
+    tokens = await long_tokens(kv_stack.router)
     states = kv_stack.router.app.registry.states()
     view = locator.lookup(tokens, states).view
     assert first not in view.precise
@@ -140,7 +141,15 @@ async def test_repeats_follow_the_engine_that_holds_the_prefix_until_its_cache_i
     assert all(e["kv_events"]["connected"] and e["kv_events"]["block_size"] in (None, BLOCK) for e in engines)
 
 
-async def _engines(stack: KVStack) -> list[dict[str, object]]:
+async def long_tokens(router: RunningRouter) -> tuple[int, ...]:
+    """``LONG`` as the router tokenizes it."""
+    assert router.prompts is not None
+    tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))
+    assert tokens is not None
+    return tokens
+
+
+async def _engines(stack: KVStack) -> list[dict[str, Any]]:
     async with stack.http.get(f"{stack.url}/engines") as r:
         body = await r.json()
     return list(body["engines"])
@@ -160,7 +169,9 @@ async def test_out_of_range_token_ids_get_the_engines_error_not_a_router_crash(k
 
 async def test_metrics_report_kv_events(kv_stack: KVStack) -> None:
     await kv_stack.complete(LONG)
-    await eventually(lambda: kv_stack.router.locator.index.stats().entries > 0, timeout_s=30)
+    locator = kv_stack.router.locator
+    assert locator is not None
+    await eventually(lambda: locator.index.stats().entries > 0, timeout_s=30)
     async with kv_stack.http.get(f"{kv_stack.url}/metrics") as r:
         text = await r.text()
     assert 'kvstack_kv_events_total{engine="' in text and 'type="BlockStored"' in text
@@ -171,6 +182,7 @@ async def test_metrics_report_kv_events(kv_stack: KVStack) -> None:
 async def test_removed_engine_leaves_the_index(kv_stack: KVStack) -> None:
     first = await kv_stack.complete(LONG)
     locator = kv_stack.router.locator
+    assert locator is not None
     await eventually(lambda: first in locator.index.locations(), timeout_s=30)
     kv_stack.router.app.remove_engine(first)
     assert first not in locator.index.locations()
@@ -208,8 +220,7 @@ async def test_engines_with_different_block_sizes_coexist(legacy_events: bool) -
         await eventually(
             lambda: locator.block_size(small) == 16 and locator.block_size(large) == 128, timeout_s=30
         )
-        tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
-        assert tokens is not None
+        tokens = await long_tokens(router)
         view = locator.lookup(tokens, router.app.registry.states()).view
         # Each engine's prefix, counted in its own block size: whole blocks of the prompt.
         assert view.precise[small][0] == len(tokens) // 16 * 16
@@ -342,8 +353,8 @@ async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
                 ),
                 timeout_s=30,
             )
-            tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
-            assert tokens is not None and len(tokens) > 4 * chunk
+            tokens = await long_tokens(router)
+            assert len(tokens) > 4 * chunk
             cpu = BlockStored(
                 block_hashes=[1, 2], parent_block_hash=None, token_ids=list(tokens[: 2 * chunk]),
                 block_size=chunk, medium="CPU",
@@ -405,6 +416,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
             cache_events=[CacheEvents(events, node="node-a", replay_endpoint=replay)],
         )
     )
+    assert server.endpoint is not None
     client = AsyncCacheClient(server.endpoint, shm=False)
     try:
         locator = router.locator
@@ -413,8 +425,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
             lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry),
             timeout_s=30,
         )
-        tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
-        assert tokens is not None
+        tokens = await long_tokens(router)
         layout = KVLayout(model=MODEL, num_layers=2, num_kv_heads=2, head_size=16, dtype="bfloat16")
         keys = chunk_keys(tokens, layout, chunk_size=chunk)[:3]
         ids = [list(tokens[i * chunk : (i + 1) * chunk]) for i in range(3)]

@@ -74,11 +74,14 @@ async def kv_router(
             timeout_s=30,
             interval_s=0.05,
         )
-        await eventually(
-            lambda: all(router.feeds and router.feeds.subscriber(e.state.url).connected for e in registry),
-            timeout_s=30,
-            interval_s=0.05,
-        )  # type: ignore[union-attr]
+        feeds = router.feeds
+        assert feeds is not None
+
+        def connected() -> bool:
+            subscribers = [feeds.subscriber(e.state.url) for e in registry]
+            return all(s is not None and s.connected for s in subscribers)
+
+        await eventually(connected, timeout_s=30, interval_s=0.05)
         yield router, http
     finally:
         await router.stop()
@@ -117,7 +120,8 @@ async def test_repeats_go_to_the_engine_holding_the_prefix_until_it_is_reset(
     # Reset the holder's cache: its AllBlocksCleared removes it from the index and the pull is gone.
     await _reset(http, holder)
     await eventually(lambda: holder not in locator.index.locations(), timeout_s=30, interval_s=0.05)
-    tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))  # type: ignore[union-attr]
+    assert router.prompts is not None
+    tokens = await router.prompts.token_ids(MODEL, TextPrompt(LONG))
     assert tokens is not None
     view = locator.lookup(tokens, router.app.registry.states()).view
     assert holder not in view.precise
@@ -166,7 +170,7 @@ async def test_local_and_remote_tokenization_match_vllm(
                     f"{vllm_engine.url}/tokenize",
                     {"model": MODEL, "prompt": text, "add_special_tokens": special},
                 )
-                prompt = TextPrompt(text, special)
+                prompt: TextPrompt | ChatPrompt = TextPrompt(text, special)
                 assert await local.token_ids(MODEL, prompt) == tuple(answer["tokens"])
                 assert await remote.token_ids(MODEL, prompt) == tuple(answer["tokens"])
         for case in CHATS:

@@ -116,7 +116,7 @@ def test_params_defaults_and_values() -> None:
 )
 def test_param_errors_name_plugin_and_parameter(type_name: str, params: object, expected: str) -> None:
     with pytest.raises(PluginConfigError) as info:
-        default_registry().create(type_name, "mine", params)  # type: ignore[arg-type]
+        default_registry().create(type_name, "mine", params)  # type: ignore[arg-type]  # wrong on purpose
     assert f"plugin 'mine' (type {type_name})" in str(info.value)
     assert expected in str(info.value)
 

@@ -33,7 +33,9 @@ from kvstack.scheduling import (
     parse_config,
     preset_config,
 )
+from kvstack.scheduling.filters.saturation import SaturationFilter
 from kvstack.scheduling.pickers.max_score import MaxScorePicker
+from kvstack.scheduling.scorers.load_aware import LoadAwareScorer
 from kvstack.scheduling.scorers.queue import QueueScorer
 
 
@@ -299,10 +301,13 @@ def test_session_preset_sticks_spills_and_falls_back_to_load() -> None:
     # Load changes do not move a session while its engine has room.
     for e in engines:
         e.in_flight = e.in_flight_at_scrape = 10 if e.url == home else 0
-        e.metrics.signals.queue = 3 if e.url == home else 0  # type: ignore[union-attr]
+        assert e.metrics is not None
+        e.metrics.signals.queue = 3 if e.url == home else 0
     assert {scheduler.schedule(request("conv-1"), engines).target.url for _ in range(20)} == {home}
     # A saturated home engine hands the session to its next engine on the ring, the same every time.
-    next(e for e in engines if e.url == home).metrics.signals.queue = 50  # type: ignore[union-attr]
+    home_metrics = next(e for e in engines if e.url == home).metrics
+    assert home_metrics is not None
+    home_metrics.signals.queue = 50
     spilled = {scheduler.schedule(request("conv-1"), engines).target.url for _ in range(20)}
     assert len(spilled) == 1 and home not in spilled
     # Sessions spread over engines; requests without a key go to the least loaded.
@@ -396,13 +401,15 @@ def test_load_config_file_and_build(tmp_path: Path) -> None:
     scheduler = build_scheduler(config)
     (profile,) = scheduler.profiles.values()
     assert [f.name for f in profile.filters] == ["strict-saturation"]
-    assert profile.filters[0].queue_threshold == 2.0  # type: ignore[attr-defined]
+    saturation = profile.filters[0]
+    assert isinstance(saturation, SaturationFilter) and saturation.queue_threshold == 2.0
     assert [(s.name, w) for s, w in profile.scorers] == [
         ("queue-scorer", 3.0),
         ("load-aware-scorer", 1.0),
         ("least-qps-scorer", 0.5),
     ]
-    assert profile.scorers[1][0].limit == 16  # type: ignore[attr-defined]
+    load_aware = profile.scorers[1][0]
+    assert isinstance(load_aware, LoadAwareScorer) and load_aware.limit == 16
     assert profile.picker.type_name == "weighted-random-picker"
     result = scheduler.schedule(request(), [engine("a", queue=5), engine("b", queue=1)])
     assert result.target.url == "b"  # a is saturated at queueThreshold 2

@@ -140,7 +140,7 @@ class EventTap:
         time.sleep(0.3)  # let the subscription reach the publisher (ZMQ slow joiner)
 
     def drain(self, wait: float = 0.5) -> list[tuple[int, Any]]:
-        out = []
+        out: list[tuple[int, Any]] = []
         while self.sock.poll(int(wait * 1000)):
             _topic, seq, payload = self.sock.recv_multipart()
             batch = decode_batch(payload)

@@ -584,7 +584,7 @@ async def test_200_concurrent_streams_complete(http: aiohttp.ClientSession) -> N
 
 
 # -- chat template -----------------------------------------------------------------------------------
-CHATS = {
+CHATS: dict[str, list[dict[str, Any]]] = {
     "developer": [
         {"role": "developer", "content": "Answer in one word."},
         {"role": "user", "content": "What is a cache?"},

@@ -65,6 +65,7 @@ def test_continuation_event_names_parent() -> None:
     kv = KVCache(16, 4)
     _store(kv, list(range(8)))
     first = kv.take_events()[0]
+    assert isinstance(first, BlockStored)
     _store(kv, list(range(13)))
     second = kv.take_events()[0]
     assert isinstance(second, BlockStored)
@@ -100,7 +101,7 @@ def test_random_workload_keeps_invariants() -> None:
     rng = random.Random(7)
     kv = KVCache(40, 8)
     prefixes = [[rng.randrange(1000) for _ in range(rng.randrange(8, 120))] for _ in range(12)]
-    live: dict[int, int] = {}  # engine hash -> number of physical copies, rebuilt from events
+    live: dict[int | bytes, int] = {}  # engine hash -> number of physical copies, rebuilt from events
     for _ in range(400):
         tokens = rng.choice(prefixes) + [rng.randrange(1000) for _ in range(rng.randrange(0, 30))]
         if -(-len(tokens) // kv.block_size) > kv.num_blocks - 1:

@@ -152,7 +152,7 @@ class DictTier(Tier):
         self.name = "shared"
         self.data: dict[ChunkKey, bytes] = {}
 
-    async def contains(self, keys: Sequence[ChunkKey]) -> int:
+    async def contains(self, keys: Sequence[bytes]) -> int:
         n = 0
         while n < len(keys) and keys[n] in self.data:
             n += 1
