@@ -154,6 +154,7 @@ async def test_a_full_disk_makes_room_by_evicting_the_oldest_chunks(
     await tier.close()
 
 
+@pytest.mark.slow
 async def test_the_index_matches_the_files_through_a_random_workload_on_a_full_disk(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

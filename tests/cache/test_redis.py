@@ -47,6 +47,9 @@ def payload(i: int, size: int = 3000) -> bytes:
     return blake3(b"payload" + str(i).encode()).digest(length=size)
 
 
+pytestmark = pytest.mark.redis
+
+
 class RedisServer:
     """One redis-server process on a fixed port that can be stopped and started again."""
 

@@ -153,6 +153,7 @@ def test_a_missing_name_is_none_not_zero(sim_dumps: dict[str, tuple[str, int]]) 
     )
 
 
+@pytest.mark.slow
 def test_queue_and_running_from_a_loaded_sim(tmp_path: Path) -> None:
     # One sequence at a time and slow decoding: one request runs while two wait.
     engine = start_sim(

@@ -459,6 +459,7 @@ def test_entries_and_hash_maps_stay_bounded_under_a_long_random_workload() -> No
     assert index.lookup(keys)["http://fresh"] == _match(len(keys), len(keys), len(keys), len(keys))
 
 
+@pytest.mark.slow
 def test_memory_stays_flat_over_repeated_fill_evict_cycles() -> None:
     index = PrefixIndex(max_entries=10_000)
     locations = [f"http://engine-{i}" for i in range(8)]

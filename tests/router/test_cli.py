@@ -101,6 +101,7 @@ def _children(pid: int) -> list[int]:
     return [int(p) for p in out.stdout.split()]
 
 
+@pytest.mark.slow
 def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
     sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
     port = free_port()
@@ -158,6 +159,7 @@ def _metric_ages(url: str, polls: int, every: float) -> list[float]:
     return ages
 
 
+@pytest.mark.slow
 def test_scrape_interval_sets_how_fresh_engine_metrics_are(tmp_path: Path) -> None:
     sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
     routers = {}

@@ -513,6 +513,7 @@ async def test_sim_passthrough_paths_forward_the_engines_404() -> None:
 
 
 # -- an engine killed mid-run --------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_engine_killed_mid_run(tmp_path: Path) -> None:
     # At 1.5x a 400-token stream lasts a few seconds: long enough to be cut in the middle.
     with stopping(await start_sim_processes(tmp_path, 2, "--time-scale", "1.5")) as (a, b):
@@ -587,6 +588,7 @@ async def test_connect_error_retries_on_an_engine_the_saturation_filter_set_asid
 
 
 # -- a restarted engine rejoins ------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
     with stopping(await start_sim_processes(tmp_path, 2, "--time-scale", "20")) as engines:
         a, b = engines
@@ -669,6 +671,7 @@ LEGACY_PAIRS = [
 ]
 
 
+@pytest.mark.slow
 async def test_legacy_metrics_engine_is_detected_and_reported(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -766,6 +769,7 @@ async def test_stale_metrics_count_as_unknown_not_idle() -> None:
 
 
 # -- 1,000 concurrent streams --------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_a_thousand_concurrent_streams_all_complete() -> None:
     n, tokens = 1000, 16
     async with (

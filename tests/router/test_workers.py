@@ -21,6 +21,8 @@ from support.ports import free_port
 from support.processes import spawn, stop_group
 from support.waiting import eventually
 
+pytestmark = pytest.mark.slow  # a router with two worker processes per test
+
 MODEL = "tiny"  # start_sim's served name
 
 

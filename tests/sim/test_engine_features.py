@@ -156,6 +156,7 @@ async def in_process_engine(**config: Any) -> AsyncIterator[RunningEngine]:
 
 
 # -- determinism -------------------------------------------------------------------------------------
+@pytest.mark.slow
 async def test_output_is_deterministic_per_prompt_seed_and_request_seed(
     sim_factory: Callable[..., EngineProcess], http: aiohttp.ClientSession
 ) -> None:
@@ -511,6 +512,7 @@ async def test_preemption_is_counted_and_requests_still_complete(
     assert m["vllm:num_requests_running"] == 0 and m["vllm:kv_cache_usage_perc"] == 0
 
 
+@pytest.mark.slow
 async def test_state_stays_bounded_over_2000_requests(http: aiohttp.ClientSession) -> None:
     num_blocks = 256  # small, so that the prefix cache is saturated during the first thousand already
     async with in_process_engine(time_scale=100.0, block_size=BLOCK, num_gpu_blocks=num_blocks) as running:
