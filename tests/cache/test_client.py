@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import zmq
@@ -28,8 +28,6 @@ from kvstack.cache.tiers import MemoryTier
 from support.cache import RESTART_SECRET, ThreadServer, start_restartable_server
 from support.ports import free_port
 from support.waiting import wait_until
-
-T = TypeVar("T")
 
 
 def key(i: int, ns: bytes = b"client") -> ChunkKey:

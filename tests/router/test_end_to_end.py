@@ -17,12 +17,11 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import pytest
 from kubernetes_asyncio.client import ApiClient, Configuration
-from prometheus_client.parser import text_string_to_metric_families
 
 import openai
 from kvstack.engines.discovery import Backoff, KubernetesDiscovery
@@ -39,25 +38,15 @@ from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler
 from support.engines import EngineProcess, start_sim, wait_healthy
 from support.fake_k8s import FakeKubeApi, make_pod
+from support.metrics import sample_sum
 from support.processes import kill_group, spawn
 from support.waiting import eventually
 
 MODEL = "tiny"  # served name of the vLLM fixture and of start_sim
 SCRAPE_S = 0.2
-T = TypeVar("T")
 
 
 # -- helpers -------------------------------------------------------------------------------------------------
-def metric(text: str, name: str, **labels: str) -> float:
-    """Sum of the samples called ``name`` whose labels include ``labels`` (0 when there is none)."""
-    return sum(
-        s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and labels.items() <= s.labels.items()
-    )
-
-
 async def get_text(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(url) as r:
         assert r.status == 200, url
@@ -353,9 +342,9 @@ async def vllm_counts(http: aiohttp.ClientSession, url: str) -> tuple[float, flo
     """(requests running, requests finished for any reason, generation tokens) of a vLLM server."""
     text = await get_text(http, f"{url}/metrics")
     return (
-        metric(text, "vllm:num_requests_running"),
-        metric(text, "vllm:request_success_total"),
-        metric(text, "vllm:generation_tokens_total"),
+        sample_sum(text, "vllm:num_requests_running"),
+        sample_sum(text, "vllm:request_success_total"),
+        sample_sum(text, "vllm:generation_tokens_total"),
     )
 
 
@@ -554,8 +543,8 @@ async def test_engine_killed_mid_run(tmp_path: Path) -> None:
                     assert len(text_events(events)) == 400
                     assert json.loads(events[-2])["usage"]["completion_tokens"] == 400
             metrics = await get_text(http, f"{router.url}/metrics")
-            assert metric(metrics, "kvstack_router_upstream_errors_total", engine=a.url) >= 1
-            assert metric(metrics, "kvstack_router_retries_total") >= 1  # some went to the dead one first
+            assert sample_sum(metrics, "kvstack_router_upstream_errors_total", engine=a.url) >= 1
+            assert sample_sum(metrics, "kvstack_router_retries_total") >= 1  # some went to the dead one first
             assert in_flight(router) == {a.url: 0, b.url: 0}
 
 
@@ -583,8 +572,8 @@ async def test_connect_error_retries_on_an_engine_the_saturation_filter_set_asid
         async with http.post(f"{router.url}/v1/completions", json=completion(2)) as r:
             assert r.status == 200, await r.text()
         text = await get_text(http, f"{router.url}/metrics")
-        assert metric(text, "kvstack_router_retries_total", reason="connect_error") == 1
-        assert metric(text, "kvstack_router_requests_total", engine=busy.url, status="200") == 1
+        assert sample_sum(text, "kvstack_router_retries_total", reason="connect_error") == 1
+        assert sample_sum(text, "kvstack_router_requests_total", engine=busy.url, status="200") == 1
 
 
 # -- a restarted engine rejoins ------------------------------------------------------------------------------
@@ -618,8 +607,8 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
             view = await engine_view(http, router, a.url)
             assert view["circuit"] == "open" and not view["routable"]
             metrics = await get_text(http, f"{router.url}/metrics")
-            assert metric(metrics, "kvstack_router_circuit_state", engine=a.url) == 2
-            assert metric(metrics, "kvstack_router_circuit_state", engine=b.url) == 0
+            assert sample_sum(metrics, "kvstack_router_circuit_state", engine=a.url) == 2
+            assert sample_sum(metrics, "kvstack_router_circuit_state", engine=b.url) == 0
 
             async def stale_and_down() -> bool:
                 v = await engine_view(http, router, a.url)
@@ -640,7 +629,7 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
             async def served_by_restarted() -> bool:
                 assert await post_status(http, router, completion(2)) == 200
                 text = await get_text(http, f"{restarted.url}/metrics")
-                return metric(text, "vllm:request_success_total") > 0
+                return sample_sum(text, "vllm:request_success_total") > 0
 
             # Once its open period (1 s) is over and a scrape reached it, the probe request closes it.
             await eventually(
@@ -660,7 +649,7 @@ async def test_restarted_engine_rejoins(tmp_path: Path) -> None:
             )
             assert view["routable"]
             metrics = await get_text(http, f"{router.url}/metrics")
-            assert metric(metrics, "kvstack_router_circuit_state", engine=a.url) == 0
+            assert sample_sum(metrics, "kvstack_router_circuit_state", engine=a.url) == 0
 
 
 # -- an engine exporting legacy metric names -----------------------------------------------------------------
@@ -702,8 +691,8 @@ async def test_legacy_metrics_engine_is_detected_and_reported(
 
             metrics = await get_text(http, f"{router.url}/metrics")
             for name in view["missing"]:
-                assert metric(metrics, "kvstack_engine_metric_missing", engine=old.url, metric=name) == 1
-            assert metric(metrics, "kvstack_engine_metric_missing", engine=new.url) == 0
+                assert sample_sum(metrics, "kvstack_engine_metric_missing", engine=old.url, metric=name) == 1
+            assert sample_sum(metrics, "kvstack_engine_metric_missing", engine=new.url) == 0
             assert (
                 f'kvstack_engine_metric_missing{{engine="{old.url}",metric="vllm:kv_cache_usage_perc"}} 1.0'
                 in metrics
@@ -740,7 +729,7 @@ async def test_stale_metrics_count_as_unknown_not_idle() -> None:
 
         async def served(engine: RunningEngine) -> float:
             text = await get_text(http, f"{router.url}/metrics")
-            return metric(text, "kvstack_router_requests_total", engine=engine.url)
+            return sample_sum(text, "kvstack_router_requests_total", engine=engine.url)
 
         for i in range(8):
             assert await post_status(http, router, completion(2, prompt=f"fresh {i}")) == 200
@@ -765,7 +754,7 @@ async def test_stale_metrics_count_as_unknown_not_idle() -> None:
             assert await post_status(http, router, completion(2, prompt=f"stale {i}")) == 200
         assert (await served(idle), await served(busy)) == (8, 8)
         text = await get_text(http, f"{router.url}/metrics")
-        assert metric(text, "kvstack_engine_scrape_errors_total", engine=idle.url, reason="parse") >= 1
+        assert sample_sum(text, "kvstack_engine_scrape_errors_total", engine=idle.url, reason="parse") >= 1
 
 
 # -- 1,000 concurrent streams --------------------------------------------------------------------------------
@@ -814,11 +803,11 @@ async def test_a_thousand_concurrent_streams_all_complete() -> None:
         assert in_flight(router) == {s.url: 0 for s in sims}
         text = await get_text(http, f"{router.url}/metrics")
         for s in sims:
-            assert metric(text, "kvstack_router_in_flight_requests", engine=s.url) == 0
-            assert metric(text, "kvstack_router_requests_total", engine=s.url, status="200") > 0
-        assert metric(text, "kvstack_router_requests_total", status="200") == n
-        assert metric(text, "kvstack_router_queued_requests") == 0
-        assert metric(text, "kvstack_router_admission_rejections_total") == 0
+            assert sample_sum(text, "kvstack_router_in_flight_requests", engine=s.url) == 0
+            assert sample_sum(text, "kvstack_router_requests_total", engine=s.url, status="200") > 0
+        assert sample_sum(text, "kvstack_router_requests_total", status="200") == n
+        assert sample_sum(text, "kvstack_router_queued_requests") == 0
+        assert sample_sum(text, "kvstack_router_admission_rejections_total") == 0
 
 
 # -- Kubernetes discovery end to end -------------------------------------------------------------------------

@@ -14,9 +14,9 @@ from typing import Any
 
 import aiohttp
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from support.engines import EngineProcess, start_sim
+from support.metrics import sample_sum
 from support.ports import free_port
 from support.processes import spawn, stop_group
 from support.waiting import eventually
@@ -168,13 +168,6 @@ async def test_metrics_cover_every_worker(workers: Workers) -> None:
         ):
             assert r.status == 200
 
-    def requests(text: str) -> float:
-        return sum(
-            s.value
-            for f in text_string_to_metric_families(text)
-            for s in f.samples
-            if s.name == "kvstack_router_requests_total" and s.labels.get("status") == "200"
-        )
-
     views = await workers.each_worker("/metrics")
-    assert {requests(text) for text in views.values()} == {30.0}
+    answered = {sample_sum(text, "kvstack_router_requests_total", status="200") for text in views.values()}
+    assert answered == {30.0}
