@@ -294,7 +294,7 @@ async def test_hung_request_does_not_block_shutdown(
         ) as r:
             await r.read()
     # The client is gone, so nothing is in flight: SIGTERM should end the process promptly (an idle
-    # sim stops in well under a second; 3 s is a generous bound), not by the harness's SIGKILL.
+    # sim stops in well under a second; 3 s is a generous bound), not by EngineProcess.stop's SIGKILL.
     # Stop from a thread: blocking this event loop would keep the client's socket from closing.
     await asyncio.to_thread(engine.stop, 3.0)
     assert engine.proc.returncode == 0, f"sim did not exit on SIGTERM (returncode {engine.proc.returncode})"
