@@ -1,4 +1,5 @@
-# kvstack: the two commands are `make run` and `make test`; everything else here is what they need.
+# kvstack: the two commands are `make run` and `make test` (`make unit`: the quick tests, needing neither vLLM
+# nor Redis); everything else here is what they need.
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 DEV := .venvs/dev
 VLLM := .venvs/vllm
@@ -56,6 +57,11 @@ lint: dev
 
 typecheck: dev
 	$(DEV)/bin/mypy
+
+# The tests that need neither vLLM (marker vllm) nor a redis-server (marker redis), without the slow
+# multi-process and soak tests (marker slow): a few minutes on 2 cores.
+unit: dev
+	$(DEV)/bin/pytest -q -ra -m "not vllm and not redis and not slow" $(PYTEST_ARGS)
 
 test: system-deps dev vllm lint typecheck
 	KVSTACK_VLLM_PYTHON=$(CURDIR)/$(VLLM)/bin/python KVSTACK_REQUIRE_VLLM=1 \

@@ -27,7 +27,7 @@ request must show ``vllm:prompt_tokens_by_source_total{source="external_kv_trans
 ``vllm:external_prefix_cache_hits_total`` grow by at least prompt - 256 tokens and no local cache hit; a
 cold one no external and no local hit; an own-cache one a local hit and no external. Answers (greedy token
 ids) must be equal: B's tier answer to A's, B's own-cache answer to B's cold one. With dummy weights the
-answer barely depends on the KV it is given (see tests/test_connector_vllm.py), so equal answers show that
+answer barely depends on the KV it is given (see tests/connector/test_vllm.py), so equal answers show that
 nothing broke, not that the right KV arrived; ``--weights random`` serves seeded random weights instead
 (written once with transformers in the vLLM virtualenv), where they do. The server-side TTFT (Δ of vLLM's
 ``time_to_first_token_seconds`` sum) is shown next to the client's.

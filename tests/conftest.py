@@ -1,20 +1,20 @@
 """Session fixtures: the tiny model directory, one real vLLM server and one simulator configured alike.
 
-Real-vLLM tests are part of `make test`. Without the vLLM virtualenv they skip with the reason,
-unless KVSTACK_REQUIRE_VLLM=1 (as `make test` and CI set it), in which case they fail.
+Real-vLLM tests are marked ``vllm`` and are part of `make test`; `make unit` leaves them out. Without the
+vLLM virtualenv they skip with the reason, unless KVSTACK_REQUIRE_VLLM=1 (as `make test` and CI set it), in
+which case they fail (``support.engines.require_vllm``).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import zmq.asyncio
 
-from harness import EngineProcess, start_sim, start_vllm, vllm_missing_reason
 from kvstack.devtools.tiny_model import make_tiny_model
+from support.engines import EngineProcess, require_vllm, start_sim, start_vllm
 
 
 @pytest.fixture(scope="session")
@@ -22,19 +22,10 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("model") / "tiny")
 
 
-def _require_vllm() -> None:
-    reason = vllm_missing_reason()
-    if reason is None:
-        return
-    if os.environ.get("KVSTACK_REQUIRE_VLLM") == "1":
-        pytest.fail(f"real vLLM is required here but {reason}")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcess]:
     """Real vLLM 0.32 on CPU: block size 128, 64 KV blocks, KV events with replay."""
-    _require_vllm()
+    require_vllm()
     engine = start_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"))
     yield engine
     engine.stop()

@@ -1,0 +1,15 @@
+"""What tests share, importable as ``support.*`` (pytest puts tests/ on the path; see pyproject.toml).
+
+- ``ports``: free 127.0.0.1 ports for servers started later.
+- ``waiting``: ``wait_until`` (sync) and ``eventually`` (async), one signature, a message naming the wait.
+- ``processes``: subprocesses in their own process group, stopped by that group's id.
+- ``engines``: ``kvstack sim`` and real vLLM servers; the vLLM virtualenv and ``require_vllm``.
+- ``metrics``: Prometheus pages as samples, sums of samples and counter totals.
+- ``routers``: routers in this event loop in front of in-process simulated engines; a raw fake engine.
+- ``cache``: cache servers (in this loop, in a thread, as processes), a dict tier, a tier listener.
+- ``cache_fuzz``: seeded fuzz messages for the cache protocol.
+- ``fake_k8s``: a fake Kubernetes API server for discovery.
+
+Fixtures stay in conftest.py files: tests/conftest.py (the tiny model, the session's vLLM and simulator),
+and one per folder where a concern has its own (tests/router/, tests/connector/).
+"""
