@@ -139,14 +139,30 @@ BAD_VALUES = [
 ]
 
 
-@pytest.mark.parametrize("entry_point", list(ENTRY_POINTS))
-@pytest.mark.parametrize(("field", "value", "rule"), BAD_VALUES)
+def expressible(entry_point: str, field: str, value: Any) -> bool:
+    """Can this entry point's syntax carry the value at all? (A pod's URL comes from its IP, its models from
+    a comma list and its node from the pod spec; an --engine string has no labels.)"""
+    if entry_point == "--engine":
+        return spec_of(field, value) is not None
+    if entry_point == "pod":
+        return pod_of(field, value) is not None
+    return True
+
+
+@pytest.mark.parametrize(
+    ("entry_point", "field", "value", "rule"),
+    [
+        pytest.param(entry_point, field, value, rule, id=f"{entry_point}-{field}-{value!r}")
+        for field, value, rule in BAD_VALUES
+        for entry_point in ENTRY_POINTS
+        if expressible(entry_point, field, value)
+    ],
+)
 def test_every_entry_point_refuses_a_bad_value_with_the_same_rule(
     entry_point: str, field: str, value: Any, rule: str
 ) -> None:
     message = ENTRY_POINTS[entry_point](field, value)
-    if message is None:
-        pytest.skip(f"the {entry_point} syntax cannot give {field}={value!r}")
+    assert message is not None
     assert rule in message
     where = {"--engine": "--engine", "engines file": "e.yaml: engines[0]", "pod": "pod llm/engine-0"}
     assert message.startswith(where.get(entry_point, "POST /admin/engines"))
