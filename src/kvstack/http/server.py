@@ -1,8 +1,7 @@
 """The router's HTTP/1.1 server: llhttp (``httptools``) on an asyncio protocol, nothing else in the way.
 
 The router's work per request is small (parse a JSON body, pick an engine, relay bytes), so the server
-around it must be smaller still: aiohttp's server cost about 250 µs of CPU per proxied request on the
-benchmark machine, more than routing and relaying together (docs/benchmarks.md, "Router overhead"). Here a
+around it must be smaller still (why not aiohttp's: docs/design/router-request-path.md). A
 request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
 handed to one handler coroutine per request; the handler either returns a `Response` (sent with its
 length in one write) or streams through the connection (`start`, `write`, `end`: chunked encoding).
