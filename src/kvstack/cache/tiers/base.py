@@ -32,6 +32,7 @@ from dataclasses import dataclass, replace
 from itertools import takewhile
 from typing import Protocol
 
+from kvstack.backoff import Backoff
 from kvstack.cache.keys import ChunkKey
 from kvstack.cache.payload import Payload
 
@@ -236,8 +237,7 @@ class Reconnector:
         self.up = False
         self._where = where
         self._probe = probe
-        self._initial_s = initial_s
-        self._max_s = max_s
+        self._backoff = Backoff(initial_s, max_s)
         self._log = logger
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -251,7 +251,10 @@ class Reconnector:
             return
         if self.up or self._task is None:
             self._log.warning(
-                "%s unusable (%s); serving without it, retrying every <= %gs", self._where, why, self._max_s
+                "%s unusable (%s); serving without it, retrying every <= %gs",
+                self._where,
+                why,
+                self._backoff.max_s,
             )
         self.up = False
         if self._task is None or self._task.done():
@@ -266,9 +269,9 @@ class Reconnector:
             await asyncio.gather(task, return_exceptions=True)
 
     async def _probing(self, last: str) -> None:
-        delay = self._initial_s
+        delays = self._backoff.sequence()
         while not self._stopped:
-            await asyncio.sleep(delay)
+            await asyncio.sleep(delays.next())
             try:
                 problem = await self._probe()
             except Exception as e:  # a probe that fails in a way it did not expect still retries
@@ -280,4 +283,3 @@ class Reconnector:
             if problem != last:  # a new answer: say it once
                 self._log.warning("%s still unusable: %s", self._where, problem)
                 last = problem
-            delay = min(2 * delay, self._max_s)
