@@ -2,34 +2,16 @@
 
 A chunk is ``chunk_size`` consecutive prompt tokens (default 256); chunk ``i`` covers tokens
 ``[i * chunk_size, (i + 1) * chunk_size)``. Only full chunks get a key unless ``include_partial`` is set, in
-which case a shorter tail gets one more key.
+which case a shorter tail gets one more key, never equal to a full chunk's.
 
-Key scheme (v1):
+`chunk_keys` computes them (its docstring states the key scheme, v1) from `KVLayout.namespace`: the model,
+the KV layout and the tensor-parallel slice, so engines with the same model and layout share keys and
+different layouts never do. Every key depends on every token before it and on nothing of the process or
+the machine (not ``PYTHONHASHSEED``): keys are stable across engines and restarts.
 
-- ``namespace = KVLayout.namespace()``: canonical JSON (sorted keys, no spaces) of the model, the KV layout
-  (layers, KV heads, head size, dtype, block layout) and the tensor-parallel rank and size, prefixed with
-  ``b"kvstack-kv-chunk/v1\\0"``. Any field that changes the bytes of a chunk's KV data is in it, so two
-  engines with the same model and layout share keys and different layouts never do.
-- Two 32-byte keys derived with blake3's derive-key mode (context strings below) from
-  ``namespace || chunk_size`` as 4 little-endian bytes: ``k_full`` for full chunks and ``k_tail`` for the
-  partial tail. Different keys make the tail a different function, so a partial chunk never equals a full
-  chunk, whatever its length.
-- ``key_i = blake3_keyed(k_full, key_{i-1} || tokens_i)`` with ``key_{-1}`` 32 zero bytes and ``tokens_i``
-  the chunk's token ids as little-endian uint32; the tail is
-  ``blake3_keyed(k_tail, key_{n-1} || len(tail) as uint32 || tokens_tail)``.
-
-Every key depends on every token before it (changing an early token changes all later keys), and nothing
-depends on ``PYTHONHASHSEED``, the process or the machine: keys are stable across engines and restarts.
-blake3 (unlike the router's 64-bit xxh3 block keys) makes a collision, which would serve another prompt's
-KV data, practically impossible.
-
-Token ids may come in any form that holds integers: a list or other sequence of ``int`` (as tokenizers and
-vLLM hold them), or any one-dimensional buffer of integers (``array('I')``, a numpy array of any integer
-dtype, a ``memoryview``; ``bytes`` count as a buffer of uint8 ids, as they do as a sequence). Keys depend on
-the integer values only, never on the form. A buffer of native uint32 on a little-endian host is hashed in
-place; packing a Python list costs about as much as hashing it, so a caller that computes keys of the same
-ids more than once (several layouts, e.g. one per tensor-parallel rank) packs them once with
-`pack_token_ids` and passes the result.
+Token ids may come in any form that holds integers (`TokenIds`); keys depend on the values only, never on
+the form. A caller that keys the same ids more than once (e.g. one layout per tensor-parallel rank) packs
+them once with `pack_token_ids` and passes the result.
 """
 
 from __future__ import annotations
@@ -77,7 +59,9 @@ class KVLayout:
             raise ValueError(f"KVLayout.tp_rank must be in [0, tp_size={self.tp_size}), got {self.tp_rank}")
 
     def namespace(self) -> bytes:
-        """The canonical bytes every chunk key of this layout is derived from."""
+        """The canonical bytes every chunk key of this layout is derived from: canonical JSON (sorted keys, no
+        spaces) of every field, prefixed with ``b"kvstack-kv-chunk/v1\\0"``. Any field that changes the bytes
+        of a chunk's KV data is in it."""
         return _NAMESPACE_PREFIX + json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
 
 
@@ -103,7 +87,10 @@ class ChunkKey(bytes):
 
 
 TokenIds: TypeAlias = "Sequence[int] | array[int] | memoryview | Any"
-"""Token ids: a sequence of ``int`` or a one-dimensional buffer of integers (see the module docstring)."""
+"""Token ids: a list or other sequence of ``int`` (as tokenizers and vLLM hold them), or any one-dimensional
+buffer of integers (``array('I')``, a numpy array of any integer dtype, a ``memoryview``; ``bytes`` count as
+a buffer of uint8 ids, as they do as a sequence). A buffer of native uint32 on a little-endian host is hashed
+in place; a list is packed first, which costs about as much as hashing it."""
 
 _INT_FORMATS = frozenset("bBhHiIlLqQnN")
 _LITTLE = sys.byteorder == "little"
@@ -169,10 +156,16 @@ def chunk_keys(
 ) -> list[ChunkKey]:
     """One chained key per full chunk of ``token_ids`` (plus the partial tail when ``include_partial``).
 
-    ``token_ids``: a sequence of ``int`` or a buffer of integers (module docstring); the same ids in any
-    form give the same keys. ``parent`` continues a chain: ``chunk_keys(b, layout,
-    parent=chunk_keys(a, layout)[-1])`` equals the keys of ``a + b`` after ``a``'s when ``a`` is a whole
-    number of chunks.
+    Key scheme (v1): with ``namespace = KVLayout.namespace()``, two 32-byte keys are derived with blake3's
+    derive-key mode (``_FULL_CONTEXT``, ``_TAIL_CONTEXT``) from ``namespace || chunk_size`` as 4 little-endian
+    bytes: ``k_full`` for full chunks and ``k_tail`` for the partial tail, so a partial chunk never equals a
+    full one whatever its length. ``key_i = blake3_keyed(k_full, key_{i-1} || tokens_i)``
+    with ``key_{-1}`` 32 zero bytes (or ``parent``) and ``tokens_i`` the chunk's token ids as little-endian
+    uint32; the tail is ``blake3_keyed(k_tail, key_{n-1} || len(tail) as uint32 || tokens_tail)``.
+
+    ``token_ids``: any `TokenIds`; the same ids in any form give the same keys. ``parent`` continues a
+    chain: ``chunk_keys(b, layout, parent=chunk_keys(a, layout)[-1])`` equals the keys of ``a + b`` after
+    ``a``'s when ``a`` is a whole number of chunks.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")

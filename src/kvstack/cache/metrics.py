@@ -1,30 +1,9 @@
 """The cache server's Prometheus metrics (``kvstack_cache_*``), in a registry of its own.
 
-Read from the store at scrape time (a collector over ``TieredStore.stats()``; labels ``tier`` = tier name):
-
-- ``kvstack_cache_hits_total{tier}`` / ``kvstack_cache_tier_misses_total{tier}``: chunk reads each tier
-  served / could not serve (a tier's own count: a get asks the lower tiers only for what memory missed).
-- ``kvstack_cache_bytes{tier}``, ``kvstack_cache_capacity_bytes{tier}``, ``kvstack_cache_entries{tier}``
-- ``kvstack_cache_evictions_total{tier}``, ``kvstack_cache_write_drops_total{tier}``,
-  ``kvstack_cache_tier_errors_total{tier}``, ``kvstack_cache_corrupt_total{tier}``,
-  ``kvstack_cache_tier_up{tier}``, ``kvstack_cache_page_cache_reads_total{tier}`` (disk hits read on the
-  event loop because the file was wholly in the page cache)
-- ``kvstack_cache_queue_drops_total{tier}`` (write-behind queue full), ``kvstack_cache_write_queue{tier}``
-  (writes waiting), ``kvstack_cache_promotions_total``.
-
-Counted by the server:
-
-- ``kvstack_cache_misses_total``: chunks a get asked for and did not receive (after the first missing chunk
-  every later one counts: only a consecutive prefix is served).
-- ``kvstack_cache_lookup_chunks_total{result}`` (``hit``/``miss``): the same for lookups.
-- ``kvstack_cache_operation_seconds{op}``: request handling time by op (histogram, 50 µs to 2.5 s).
-- ``kvstack_cache_requests_total{op,result}`` (``ok``/``error``),
-  ``kvstack_cache_protocol_errors_total{code}`` (every error reply and every reply that could not be sent,
-  by `ErrorCode` or ``dropped``).
-- ``kvstack_cache_payload_bytes_total{op,path}``: get/put payload bytes through ``shm`` or ``socket``.
-- ``kvstack_cache_events_total``, ``kvstack_cache_event_batch_drops_total``: events published, batches the
-  PUB socket refused. ZMQ drops silently for a subscriber past its high-water mark; that subscriber sees the
-  sequence gap and replays, so such drops are not counted here.
+Two kinds of series: per tier (label ``tier`` = tier name), read from ``TieredStore.stats()`` at scrape
+time; and the server's own counts of requests, lookups, payload bytes, protocol errors and events.
+`CacheMetrics` lists every series with its labels; ``render()`` is the ``GET /metrics`` body. Per-request
+counts are plain numbers exported at scrape time, so answering a request takes no metrics lock.
 """
 
 from __future__ import annotations
@@ -154,7 +133,34 @@ class _RequestCollector(Collector):
 
 
 class CacheMetrics:
-    """The server's metrics; ``render()`` is the /metrics body."""
+    """The server's metrics; ``render()`` is the /metrics body.
+
+    Read from the store at scrape time (labels ``tier`` = tier name):
+
+    - ``kvstack_cache_hits_total{tier}`` / ``kvstack_cache_tier_misses_total{tier}``: chunk reads each tier
+      served / could not serve (a tier's own count: a get asks the lower tiers only for what memory missed).
+    - ``kvstack_cache_bytes{tier}``, ``kvstack_cache_capacity_bytes{tier}``, ``kvstack_cache_entries{tier}``
+    - ``kvstack_cache_evictions_total{tier}``, ``kvstack_cache_write_drops_total{tier}``,
+      ``kvstack_cache_tier_errors_total{tier}``, ``kvstack_cache_corrupt_total{tier}``,
+      ``kvstack_cache_tier_up{tier}``, ``kvstack_cache_page_cache_reads_total{tier}`` (disk hits read on the
+      event loop because the file was wholly in the page cache)
+    - ``kvstack_cache_queue_drops_total{tier}`` (write-behind queue full), ``kvstack_cache_write_queue{tier}``
+      (writes waiting), ``kvstack_cache_promotions_total``.
+
+    Counted by the server:
+
+    - ``kvstack_cache_misses_total``: chunks a get asked for and did not receive (after the first missing
+      chunk every later one counts: only a consecutive prefix is served).
+    - ``kvstack_cache_lookup_chunks_total{result}`` (``hit``/``miss``): the same for lookups.
+    - ``kvstack_cache_operation_seconds{op}``: request handling time by op (histogram, 50 µs to 2.5 s).
+    - ``kvstack_cache_requests_total{op,result}`` (``ok``/``error``),
+      ``kvstack_cache_protocol_errors_total{code}`` (every error reply and every reply that could not be
+      sent, by `ErrorCode` or ``dropped``).
+    - ``kvstack_cache_payload_bytes_total{op,path}``: get/put payload bytes through ``shm`` or ``socket``.
+    - ``kvstack_cache_events_total``, ``kvstack_cache_event_batch_drops_total``: events published, batches
+      the PUB socket refused. ZMQ drops silently for a subscriber past its high-water mark; that subscriber
+      sees the sequence gap and replays, so such drops are not counted here.
+    """
 
     def __init__(self, store: TieredStore, *, events: Callable[[], tuple[int, int]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=False)

@@ -1,48 +1,21 @@
 """The cache server's wire protocol, version 1: msgspec messages in ZMQ multipart frames. No sockets are made
 here (`send_frames` and `recv_frames` move one message on a socket they are given).
 
-Frames (client DEALER -> server ROUTER; a REQ client's empty delimiter frame is accepted and echoed):
+A request (client DEALER -> server ROUTER; a REQ client's empty delimiter frame is accepted and echoed) is
+``[header, mac, *payloads]``: ``header`` is a msgpack map, one of the `Request` structs tagged by ``"op"``
+(each one's docstring says what it asks and what its reply holds), with ``v`` (the protocol version) and
+``id`` (chosen by the client and echoed, so a late reply to a request the client gave up on is dropped);
+``payloads`` are put payloads that travel in frames, in key order. A reply is ``[header, *payloads]``: the
+request's op, or ``"error"`` (`ErrorReply`: an `ErrorCode` and a message saying what to fix). Keys travel as
+one ``bytes`` field, the 32-byte `ChunkKey` s concatenated (``len(keys) % 32 == 0``).
 
-- request: ``[header, mac, *payloads]``
-  - ``header``: a msgpack map, one of the request structs below, tagged by ``"op"``; every message carries
-    ``v`` (the protocol version) and ``id`` (chosen by the client, echoed in the reply, so a client can drop
-    a late reply to a request it gave up on).
-  - ``mac``: empty without a shared secret; else ``HMAC-SHA256(secret, header)`` (32 bytes). The secret
-    decides who may use the server; it does not encrypt, does not cover payload frames or shared memory,
-    and does not stop a replayed request: on an untrusted network, keep the server on 127.0.0.1 or ipc://.
-  - ``payloads``: put payloads that travel through the socket, in key order.
-- reply: ``[header, *payloads]``: one of the reply structs, tagged by ``"op"`` (the request's op, or
-  ``"error"`` with a ``code`` from `ErrorCode` and a message saying what to fix).
+``mac`` is empty without a shared secret, else ``HMAC-SHA256(secret, header)`` (32 bytes). The secret decides
+who may use the server; it does not encrypt, does not cover payload frames or shared memory, and does not
+stop a replayed request: on an untrusted network, keep the server on 127.0.0.1 or ipc://. Same-host clients
+may use a unix socket (``unix:///path``) instead: the same messages, each behind a head (`unix_head`).
 
-Keys travel as one ``bytes`` field: the 32-byte `ChunkKey` s concatenated (``len(keys) % 32 == 0``).
-
-Operations (request -> reply):
-
-- ``hello(client, arena, arena_nonce)`` -> ``node, server, arena_ok, arena_error, max_message_bytes,
-  max_keys``: a client names its shared-memory arena; the server maps it and checks the nonce written at
-  its start (proof of a shared host), else the client uses socket payloads (see ``kvstack.cache.shm``).
-- ``lookup(keys)`` -> ``count, tiers``: the longest consecutive prefix held, a tier name per chunk of it.
-- ``exists(keys)`` -> ``present``: per key, held by any tier.
-- ``get(keys, arena, region_offset, region_size)`` -> ``sizes, offsets, more``: the payloads of the longest
-  consecutive prefix; chunk ``i`` is in the client's arena at ``offsets[i]`` (inside the region the request
-  lent) or, where ``offsets[i] == -1``, in the next payload frame. ``more``: the reply stopped early at the
-  size limit; ask again for the rest.
-- ``put(keys, sizes, offsets, arena, parent, token_ids, model)`` -> ``stored``: ``offsets`` as in ``get``
-  (empty: all payloads in frames). ``token_ids`` (one list per chunk) and ``parent`` (the key of the chunk
-  before ``keys[0]``, None for a prompt's first chunk) are optional, but without them the server cannot
-  publish ``BlockStored`` events for the chunks (a router keys blocks by their tokens). ``model``
-  (optional): the served model name of the engine that computed the chunks, carried in their events so a
-  router credits them only to requests for that model. ``stored``: chunks the memory tier kept.
-- ``evict(keys)`` -> ``removed``; ``clear()`` -> ``{}``; ``stats()`` -> ``node, stats`` (the store's and
-  the server's counters as a map).
-
-Same-host clients may use a unix socket instead (``unix:///path``; the server listens there with
-``unix_path``): the same messages, each written as a head (``b"KVS1"``, the frame count and each frame's
-length, little-endian uint32) followed by its frames back to back (`unix_head`, `UnixFramer`). It saves the
-two ZMQ I/O threads a round trip crosses.
-
-Versioning: fields a reader does not know are ignored and new optional fields get defaults, so ``v`` only
-changes for an incompatible change; a server answers any other version with error ``version``.
+Fields a reader does not know are ignored and new optional fields get defaults, so ``v`` only changes for
+an incompatible change; a server answers any other version with error ``version``.
 """
 
 from __future__ import annotations
@@ -135,20 +108,35 @@ class _Message(msgspec.Struct, tag_field="op", omit_defaults=True, kw_only=True)
 
 
 class Hello(_Message, tag="hello"):
+    """-> `HelloReply` (``node``, ``server``, ``arena_ok``, ``arena_error``, ``max_message_bytes``,
+    ``max_keys``): the client names its shared-memory ``arena``; the server maps it and checks the
+    ``arena_nonce`` written at its start (proof of a shared host), else the client uses socket payloads
+    (see ``kvstack.cache.shm``)."""
+
     client: str = ""
     arena: str | None = None
     arena_nonce: bytes = b""
 
 
 class Lookup(_Message, tag="lookup"):
+    """-> `LookupReply`: ``count``, the longest consecutive prefix of ``keys`` held, and ``tiers``, a tier
+    name per chunk of it."""
+
     keys: bytes
 
 
 class Exists(_Message, tag="exists"):
+    """-> `ExistsReply`: ``present``, per key, held by any tier."""
+
     keys: bytes
 
 
 class Get(_Message, tag="get"):
+    """-> `GetReply` (``sizes``, ``offsets``, ``more``): the payloads of the longest consecutive prefix of
+    ``keys``. Chunk ``i`` is in the client's ``arena`` at ``offsets[i]`` (inside the region ``region_offset``,
+    ``region_size`` the request lent) or, where ``offsets[i] == -1`` (`IN_FRAME`), in the next payload frame.
+    ``more``: the reply stopped early at the size limit; ask again for the rest."""
+
     keys: bytes
     arena: str | None = None
     region_offset: int = 0
@@ -156,6 +144,13 @@ class Get(_Message, tag="get"):
 
 
 class Put(_Message, tag="put"):
+    """-> `PutReply`: ``stored``, the chunks the memory tier kept. ``offsets`` as in `Get` (empty: all
+    payloads in frames). ``token_ids`` (one list per chunk) and ``parent`` (the key of the chunk before
+    ``keys[0]``, None for a prompt's first chunk) are optional, but without them the server cannot publish
+    ``BlockStored`` events for the chunks (a router keys blocks by their tokens). ``model`` (optional): the
+    served model name of the engine that computed the chunks, carried in their events so a router credits
+    them only to requests for that model."""
+
     keys: bytes
     sizes: list[int]
     offsets: list[int] = msgspec.field(default_factory=list)
@@ -166,15 +161,17 @@ class Put(_Message, tag="put"):
 
 
 class Evict(_Message, tag="evict"):
+    """-> `EvictReply`: ``removed``, how many of ``keys`` were removed."""
+
     keys: bytes
 
 
 class Clear(_Message, tag="clear"):
-    pass
+    """-> `ClearReply` (``{}``): every tier emptied."""
 
 
 class Stats(_Message, tag="stats"):
-    pass
+    """-> `StatsReply`: ``node`` and ``stats``, the store's and the server's counters as a map."""
 
 
 Request = Hello | Lookup | Exists | Get | Put | Evict | Clear | Stats
@@ -372,7 +369,8 @@ def _lengths_struct(n: int) -> struct.Struct:
 
 
 def unix_head(frames: Sequence[Any]) -> bytes:
-    """The head that goes before ``frames`` (buffers) on a unix socket."""
+    """The head that goes before ``frames`` (buffers) on a unix socket: ``b"KVS1"`` (`UNIX_MAGIC`), the frame
+    count and each frame's length, little-endian uint32; the frames follow back to back."""
     sizes = [memoryview(frame).nbytes for frame in frames]
     return _UNIX_HEAD.pack(UNIX_MAGIC, len(frames)) + _lengths_struct(len(frames)).pack(*sizes)
 

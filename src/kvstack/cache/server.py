@@ -1,24 +1,11 @@
 """The cache server: a `TieredStore` behind a ZMQ ROUTER socket and, optionally, a unix socket; the
 requests are answered by `CacheService` (``kvstack.cache.service``; protocol: ``kvstack.cache.protocol``).
 
-- Binds ``tcp://127.0.0.1:5560`` by default (any ZMQ endpoint works, e.g. ``ipc:///run/kvstack/cache``);
-  port 0 lets the OS choose (``endpoint`` tells the bound one).
-- Requests that need no I/O are answered in the callback that read them: no task, no await. Every other
-  request is handled in its own task, at most ``max_concurrency`` at a time (then the sockets are not read,
-  and ZMQ queues up to its high-water mark), so a slow disk read does not hold up memory hits. Replies are
-  sent without waiting (past a peer's high-water mark ZMQ drops the reply and the client times out).
-- Nothing a peer sends can stop it: a message that is malformed, too large (``max_message_bytes`` for the
-  sum of its frames), of another version or op, with a wrong or missing mac, or that makes a handler fail
-  gets an error reply; a single frame over ``max_message_bytes`` makes ZMQ drop the connection.
-- ``unix_path`` (``kvstack cache-server --unix-socket PATH``): also serve same-host clients on a unix socket
-  (``unix://PATH``), with the same limits, errors and secret. A framing error gets an error reply and closes
-  that connection; a client that lets more than two messages' worth of replies pile up unread is dropped.
-  A socket file left by a killed server is replaced; one another server answers on, or a file that is not
-  a socket, is refused; ``stop`` removes the file if it is still this server's.
-- ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
-  ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays. At start, the chunks the disk tier
-  kept are announced (``BlockStored`` DISK) while requests are served.
-- ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``.
+Requests that need no I/O are answered in the callback that read them: no task, no await. Every other
+request is handled in its own task, at most ``max_concurrency`` at a time, so a slow disk read does not hold
+up memory hits. Replies are sent without waiting (past a peer's high-water mark ZMQ drops the reply and the
+client times out). Nothing a peer sends can stop the server: a malformed, oversized, unauthenticated or
+failing request gets an error reply. `CacheServer` lists its endpoints, limits and options.
 
 The server does not own the store: start the store before the server and stop it after.
 """
@@ -74,7 +61,25 @@ _POLLIN = int(zmq.POLLIN)
 
 
 class CacheServer:
-    """Serves ``store`` on ``bind``; see the module docstring."""
+    """Serves ``store`` on ``bind``.
+
+    - ``bind``: ``tcp://127.0.0.1:5560`` by default (any ZMQ endpoint works, e.g. ``ipc:///run/kvstack/cache``);
+      port 0 lets the OS choose (``endpoint`` tells the bound one).
+    - ``max_concurrency``: requests handled in tasks at once; beyond it the sockets are not read, and ZMQ
+      queues up to its high-water mark.
+    - A message that is malformed, too large (``max_message_bytes`` for the sum of its frames, ``max_keys``
+      keys), of another version or op, with a wrong or missing mac (``secret``), or that makes a handler fail
+      gets an error reply; a single frame over ``max_message_bytes`` makes ZMQ drop the connection.
+    - ``unix_path`` (``kvstack cache-server --unix-socket PATH``): also serve same-host clients on a unix
+      socket (``unix://PATH``), with the same limits, errors and secret. A framing error gets an error reply
+      and closes that connection; a client that lets more than two messages' worth of replies pile up unread
+      is dropped. A socket file left by a killed server is replaced; one another server answers on, or a file
+      that is not a socket, is refused; ``stop`` removes the file if it is still this server's.
+    - ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
+      ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays. At start, the chunks the disk tier
+      kept are announced (``BlockStored`` DISK) while requests are served.
+    - ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``.
+    """
 
     def __init__(
         self,

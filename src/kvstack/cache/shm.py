@@ -1,36 +1,18 @@
-"""Shared-memory arenas: chunk payloads between a client and a cache server on the same host.
+"""Shared-memory arenas: chunk payloads between a client and a cache server on the same host, one memcpy each
+way and none on the socket.
 
-An arena is a file in ``/dev/shm`` named ``kvstack-arena-<pid namespace>-<pid>-<random>`` (mode 0600),
-created and owned by one client, mapped shared by the client and the server. Its first page is a header:
-``MAGIC`` and a random 16-byte nonce. At ``hello`` the client names the arena and the nonce; the server maps
-the file and compares the nonce, which proves a shared host (and a user allowed to open the file). Any
-failure leaves that client on socket payloads.
+An arena is a file in ``/dev/shm`` (mode 0600) created and owned by one client (`ClientArena`) and mapped
+shared by the client and the server (`ServerArenas`). Its first page holds ``MAGIC`` and a random nonce; at
+``hello`` the server maps the named file and compares the nonce, which proves a shared host. Any failure
+leaves that client on socket payloads. A get lends the server a region to copy chunks into, a put sends the
+offsets of a region the client filled; what does not fit its region travels in frames.
 
-Use (one memcpy each way, none on the socket):
-
-- get: the client lends a region of its arena in the request; the server copies each chunk from its memory
-  tier into the region and replies with offsets; the client reads views of its own mapping (no copy).
-  Chunks that do not fit the region come back in frames.
-- put: the client copies the payloads into a region and sends offsets; the server copies them into its
-  memory tier; the client frees the region when the reply arrives. Payloads that do not fit go in frames.
-
-Regions are handed out by `ArenaAllocator` (first fit, 64-byte aligned, coalescing). A request that times
-out may still be executed by the server later, writing into or reading from its region: the client then
-*retires* the whole arena (unlinks it, never reuses a byte of it, unmaps it when its last view is gone)
-and creates a fresh one, so a late server access can never touch memory the client reuses.
-
-The server maps at most ``max_arenas`` arenas (least recently used closed first) and drops mappings whose
-file was unlinked (`ServerArenas.sweep`). Only names matching ``ARENA_NAME`` are opened: a client cannot
-point the server at another shared-memory file.
-
-The file is allocated in full at creation (``posix_fallocate``: ``arena_bytes`` of shared memory per
-client), so a full /dev/shm is an error at connect (the client then uses the socket) rather than a SIGBUS
-on the first write into a hole. Trust: a client that truncates its arena while the server copies into it
-crashes the server with SIGBUS; arenas are for same-host clients of the same user, which is why the server
-only maps files that user owns and can open (mode 0600). A client killed with SIGKILL leaves its arena
-file behind; `sweep_orphan_arenas` (run by each client process before its first arena and by the server at
-start) unlinks the files of this user whose process is gone. The pid namespace in the name keeps it from
-judging files of processes it cannot see (containers that share /dev/shm but not their pids).
+Bounds: regions come from `ArenaAllocator`; a client whose request timed out retires the whole arena, so a
+late server access never touches memory the client reuses; the server maps at most ``max_arenas`` and opens
+only names matching ``ARENA_NAME``; an arena is allocated in full at creation (a full /dev/shm is an error at
+connect, not a SIGBUS later). Trust: arenas are for same-host clients of the same user, since a client that
+truncates its arena while the server copies into it crashes the server with SIGBUS. `sweep_orphan_arenas`
+removes the files of killed clients.
 """
 
 from __future__ import annotations
@@ -77,7 +59,11 @@ def _pid_namespace() -> str:
 
 
 def sweep_orphan_arenas(directory: str = SHM_DIR) -> int:
-    """Unlink arena files left by processes of this pid namespace and user that no longer exist; how many."""
+    """Unlink arena files left by processes of this pid namespace and user that no longer exist; how many.
+
+    A client killed with SIGKILL leaves its arena file behind; each client process runs this before its
+    first arena, and the server at start. The pid namespace in the name keeps it from judging files of
+    processes it cannot see (containers that share /dev/shm but not their pids)."""
     namespace, uid, removed = _pid_namespace(), os.getuid(), 0
     try:
         names = os.listdir(directory)
@@ -178,7 +164,21 @@ class ArenaAllocator:
 
 
 class ClientArena:
-    """A client's arena: created in ``/dev/shm``, unlinked by `retire` (or `close`)."""
+    """A client's arena: created in ``/dev/shm``, unlinked by `retire` (or `close`).
+
+    The file is named ``kvstack-arena-<pid namespace>-<pid>-<random>`` (mode 0600) and allocated in full
+    (``posix_fallocate``: ``size`` bytes of shared memory, the client's ``arena_bytes``), so a full /dev/shm
+    raises `ArenaError` here (the client then uses the socket) rather than a SIGBUS on the first write into a
+    hole.
+
+    - get: the client lends a region of its arena in the request; the server copies each chunk from its
+      memory tier into the region and replies with offsets; the client reads views of its own mapping (no
+      copy). Chunks that do not fit the region come back in frames.
+    - put: the client copies the payloads into a region and sends offsets; the server copies them into its
+      memory tier; the client frees the region when the reply arrives. Payloads that do not fit go in frames.
+
+    Regions are handed out by `allocator` (first fit, 64-byte aligned, coalescing).
+    """
 
     def __init__(self, size: int, *, directory: str = SHM_DIR) -> None:
         if size < HEADER_BYTES + ALIGN:
@@ -216,7 +216,10 @@ class ClientArena:
         self._unlink = weakref.finalize(self, _unlink_quietly, self.path)
 
     def retire(self) -> None:
-        """Unlink the file and stop handing out regions; the mapping goes when its last view does."""
+        """Unlink the file and stop handing out regions; the mapping goes when its last view does.
+
+        For a request that timed out: the server may still execute it later, writing into or reading from
+        its region, so the client never reuses a byte of this arena and creates a fresh one."""
         if self.retired:
             return
         self.retired = True
@@ -264,7 +267,11 @@ class ServerArena:
 
 
 class ServerArenas:
-    """The arenas a server has mapped, by name: at most ``max_arenas``, least recently used closed first."""
+    """The arenas a server has mapped, by name: at most ``max_arenas``, least recently used closed first.
+
+    `sweep` drops mappings whose file was unlinked. Only names matching ``ARENA_NAME`` are opened, so a client
+    cannot point the server at another shared-memory file; arenas are mode 0600, so the server maps only
+    those of its own user."""
 
     def __init__(self, *, max_arenas: int = 64, directory: str = SHM_DIR) -> None:
         sweep_orphan_arenas(directory)

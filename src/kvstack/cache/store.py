@@ -1,32 +1,11 @@
-"""The tiered store: memory first, then the lower tiers (disk, Redis) in order, behind one object.
+"""The tiered store: memory first, then the lower tiers (disk, Redis, S3) in order, behind one object.
 
-- ``lookup(keys)``: the longest consecutive prefix of ``keys`` held anywhere, and a tier holding each chunk.
-  A chunk may sit in any tier (chunk 0 in memory, chunk 1 only on disk), only the prefix must be unbroken.
-  Tiers are asked in order and the search restarts at the top after each run, so runs are attributed to the
-  highest tier holding their first chunk; no payload is read. ``lookup_now`` answers the same without
-  awaiting when every tier it asks can (memory, the disk index), else None.
-- ``get(keys)``: the payloads of the longest consecutive prefix that could be read and verified (it can be
-  shorter than ``lookup`` said, when an entry was evicted or found corrupt meanwhile). A chunk read from a
-  lower tier is promoted: copied into memory. Chunks after one that no tier holds (as far as the tiers with
-  an index, memory and disk, can tell without I/O) are not read from the lower tiers: they could not be
-  served.
-- ``put(keys, payloads)``: stores into memory at once (one copy) and queues each chunk for every lower tier;
-  never blocks and never awaits. Each lower tier has a bounded queue (``write_queue_size`` chunks) drained by
-  its own writer task in batches of up to ``write_batch``; when a queue is full the write is dropped and
-  counted in ``StoreStats.queue_drops``. Queued chunks are views of the memory copy, so a queued chunk costs
-  no extra memory, and if memory evicts it first its pages stay held (and counted in the memory budget)
-  until the writer is done; a chunk memory refused (too big, everything pinned) is queued as a private copy.
-
-``exists(keys)`` tells per key whether any tier holds it (each tier asked about all the keys it may hold at
-once: one Redis pipeline, not a call per key); ``delete(keys)`` removes keys from every tier. A write still
-queued for a lower tier when its key is deleted lands afterwards (the queue is not searched).
-
-``clear()`` drops the queued writes, waits for the writes the lower tiers are already doing, empties memory,
-then each lower tier. Puts made while it runs are kept in memory only: their lower-tier writes are dropped
-(counted in ``queue_drops``), so no tier is written while it is being emptied, and a chunk a put stored
-during a clear is never wiped by that clear after it was reported stored. ``clear(on_empty)`` calls
-``on_empty`` right after memory is emptied, with nothing awaited in between (the cache server announces
-the clear there: every chunk stored after that point is announced after the clear).
+A chunk may sit in any tier; reads serve the longest consecutive prefix of the keys asked for, wherever each
+chunk of it is, and a chunk read from a lower tier is promoted (copied into memory). ``put`` stores into
+memory at once and queues each chunk for every lower tier: it never blocks and never awaits; a full queue
+(``write_queue_size`` chunks per tier) drops the write and counts it in ``StoreStats.queue_drops``. ``clear``
+never writes a lower tier while emptying it, nor wipes a chunk that a put during it reported stored. Each
+method's docstring states what it answers.
 
 ``start`` starts the tiers and the writers; ``stop`` lets the queues drain for up to ``drain_timeout_s``,
 cancels the writers and closes the tiers. The first tier must be a `MemoryTier`.
@@ -64,7 +43,8 @@ class StoreStats:
 
 
 class TieredStore:
-    """Memory plus lower tiers searched in order (see the module docstring)."""
+    """Memory plus lower tiers searched in order. Each lower tier has a bounded queue (``write_queue_size``
+    chunks) drained by its own writer task in batches of up to ``write_batch`` (see `put`)."""
 
     def __init__(self, tiers: Sequence[Tier], *, write_queue_size: int = 64, write_batch: int = 8) -> None:
         if not tiers or not isinstance(tiers[0], MemoryTier):
@@ -98,6 +78,7 @@ class TieredStore:
         ]
 
     async def stop(self, drain_timeout_s: float = 5.0) -> None:
+        """Let the queues drain for up to ``drain_timeout_s``, cancel the writers and close the tiers."""
         try:
             await asyncio.wait_for(self.flush(), drain_timeout_s)
         except TimeoutError:
@@ -120,7 +101,11 @@ class TieredStore:
     # -- reads
 
     async def lookup(self, keys: Sequence[bytes]) -> tuple[int, list[str]]:
-        """(n, the name of a tier holding each of ``keys[:n]``) for the longest consecutive prefix held."""
+        """(n, the name of a tier holding each of ``keys[:n]``) for the longest consecutive prefix held.
+
+        A chunk may sit in any tier (chunk 0 in memory, chunk 1 only on disk), only the prefix must be
+        unbroken. Tiers are asked in order and the search restarts at the top after each run, so runs are
+        attributed to the highest tier holding their first chunk; no payload is read."""
         where: list[str] = []
         while len(where) < len(keys):
             rest = keys[len(where) :]
@@ -136,7 +121,8 @@ class TieredStore:
         return len(where), where
 
     def lookup_now(self, keys: Sequence[bytes]) -> tuple[int, list[str]] | None:
-        """`lookup` without awaiting, or None when a tier it must ask needs I/O (Redis): await `lookup`."""
+        """`lookup` without awaiting, or None when a tier it must ask needs I/O (Redis): await `lookup`.
+        Memory and the disk index answer without."""
         where: list[str] = []
         while len(where) < len(keys):
             rest = keys[len(where) :]
@@ -152,7 +138,12 @@ class TieredStore:
         return len(where), where
 
     async def get(self, keys: Sequence[ChunkKey]) -> list[Payload]:
-        """The payloads of the longest consecutive prefix of ``keys`` that every tier together can serve."""
+        """The payloads of the longest consecutive prefix of ``keys`` that every tier together can serve.
+
+        Only chunks read and verified count, so the prefix can be shorter than `lookup` said (an entry was
+        evicted or found corrupt meanwhile). A chunk read from a lower tier is promoted: copied into memory.
+        Chunks after one that no tier holds (as far as the tiers with an index, memory and disk, can tell
+        without I/O) are not read from the lower tiers: they could not be served."""
         found: list[Payload | None] = list(await self.memory.get_many(keys))
         from_lower: list[int] = []
         end = len(keys)  # chunks from here on come after a gap: not read
@@ -177,7 +168,8 @@ class TieredStore:
         return prefix
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
-        """Whether each of ``keys`` is held by some tier (no payload is read)."""
+        """Whether each of ``keys`` is held by some tier (no payload is read). Each tier is asked about all
+        the keys it may hold at once: one Redis pipeline, not a call per key."""
         found = [False] * len(keys)
         for tier in self.tiers:
             missing = [i for i, hit in enumerate(found) if not hit]
@@ -191,7 +183,13 @@ class TieredStore:
     # -- writes
 
     def put(self, keys: Sequence[ChunkKey], payloads: Sequence[Payload]) -> int:
-        """Store each chunk in memory and queue it for the lower tiers; returns how many memory kept."""
+        """Store each chunk in memory and queue it for the lower tiers; returns how many memory kept.
+
+        Stores into memory at once (one copy); never blocks and never awaits. When a lower tier's queue is
+        full the write is dropped and counted in ``StoreStats.queue_drops``. Queued chunks are views of the
+        memory copy, so a queued chunk costs no extra memory, and if memory evicts it first its pages stay
+        held (and counted in the memory budget) until the writer is done; a chunk memory refused (too big,
+        everything pinned) is queued as a private copy."""
         if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys but {len(payloads)} payloads")
         kept = 0
@@ -200,7 +198,7 @@ class TieredStore:
             kept += stored
             if not self._queues:
                 continue
-            if self._clearing:  # a lower tier being emptied takes no new chunk (see the module docstring)
+            if self._clearing:  # a lower tier being emptied takes no new chunk (see `clear`)
                 for name in self._queue_drops:
                     self._queue_drops[name] += 1
                 continue
@@ -215,7 +213,8 @@ class TieredStore:
         return kept
 
     async def delete(self, keys: Sequence[ChunkKey]) -> int:
-        """Remove each of ``keys`` from every tier; returns how many were held by at least one."""
+        """Remove each of ``keys`` from every tier; returns how many were held by at least one. A write
+        still queued for a lower tier when its key is deleted lands afterwards (the queue is not searched)."""
         removed = 0
         for key in keys:
             held = False
@@ -225,8 +224,14 @@ class TieredStore:
         return removed
 
     async def clear(self, on_empty: Callable[[], None] | None = None) -> None:
-        """Drop the queued writes and empty every tier; ``on_empty`` runs once memory is empty (see the
-        module docstring)."""
+        """Drop the queued writes and empty every tier; ``on_empty`` runs once memory is empty.
+
+        Waits for the writes the lower tiers are already doing, empties memory, then each lower tier. Puts
+        made while it runs are kept in memory only: their lower-tier writes are dropped (counted in
+        ``queue_drops``), so no tier is written while it is being emptied, and a chunk a put stored during a
+        clear is never wiped by that clear after it was reported stored. ``on_empty`` is called right after
+        memory is emptied, with nothing awaited in between (the cache server announces the clear there:
+        every chunk stored after that point is announced after the clear)."""
         self._clearing += 1
         try:
             for queue in self._queues.values():

@@ -1,27 +1,7 @@
 """The connector's settings: ``kv_connector_extra_config`` parsed and checked once, at start-up.
 
-Keys (all optional but ``server``):
-
-=================  ===========  =====================================================================
-key                default      meaning
-=================  ===========  =====================================================================
-server             (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
-chunk_size         256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
-load               true         look chunks up and load them into the engine's KV blocks
-save               true         save the chunks the engine computes
-timeout_s          1.0          bound of one round trip to the server (a lookup holds the scheduler)
-retry_max_s        30.0         after failures, the server is skipped (misses, no I/O) for up to this long
-model_id           model path   the model's name in chunk keys: set it when engines load the same
-                                weights from different paths, so that they share chunks
-secret_file        none         file with the server's shared secret (see ``kvstack cache-server``)
-shm                true         payloads through shared memory when the server is on the same host
-arena_mb           128          that shared memory, per client: a worker has two (loads, and saves on
-                                their background thread); the scheduler's client only looks up
-save_queue         64           save jobs (a request's new chunks of one step) waiting for the worker's
-                                save thread; a step's save that finds it full is dropped and counted
-=================  ===========  =====================================================================
-
-Unknown keys are an error (a misspelt ``"laod": false`` must not silently keep loading). vLLM's
+`parse_config` reads them. Every key is optional but ``server``; `ConnectorConfig` lists them with their
+defaults. Unknown keys are an error (a misspelt ``"laod": false`` must not silently keep loading). vLLM's
 ``kv_role`` narrows the switches: "kv_producer" only saves, "kv_consumer" only loads, "kv_both" does both.
 
 Set vLLM's ``"kv_load_failure_policy": "recompute"`` next to ``kv_role`` in ``--kv-transfer-config``
@@ -49,6 +29,28 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ConnectorConfig:
+    """The ``kv_connector_extra_config`` keys, all optional but ``server``:
+
+    =============  ===========  =====================================================================
+    key            default      meaning
+    =============  ===========  =====================================================================
+    server         (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
+    chunk_size     256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
+    load           true         look chunks up and load them into the engine's KV blocks
+    save           true         save the chunks the engine computes
+    timeout_s      1.0          bound of one round trip to the server (a lookup holds the scheduler)
+    retry_max_s    30.0         after failures, the server is skipped (misses, no I/O) for up to this long
+    model_id       model path   the model's name in chunk keys: set it when engines load the same
+                                weights from different paths, so that they share chunks
+    secret_file    none         file with the server's shared secret (see ``kvstack cache-server``)
+    shm            true         payloads through shared memory when the server is on the same host
+    arena_mb       128          that shared memory, per client: a worker has two (loads, and saves on
+                                their background thread); the scheduler's client only looks up
+    save_queue     64           save jobs (a request's new chunks of one step) waiting for the worker's
+                                save thread; a step's save that finds it full is dropped and counted
+    =============  ===========  =====================================================================
+    """
+
     server: str
     chunk_size: int = 256
     load: bool = True

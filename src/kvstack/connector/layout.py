@@ -3,31 +3,15 @@
 The connector moves whole blocks through a block-first view of each layer's cache: a block is one index
 of dimension 0 of that view (`LayoutVerdict.block_dim` says where it is in the tensor itself). A chunk's
 payload is ``[layers, blocks_per_chunk, *block]`` in the view's logical order, layers in the order of
-vLLM's KV cache group (``d`` = head size):
+vLLM's KV cache group. `detect_layout` lists the layouts handled: vLLM 0.32's per-layer view and the
+K/V-split 5-D layouts. Refused, with the reason: MLA's latent cache (no K/V heads), and anything else
+(unknown). A refused layout disables the connector; the engine runs as if it had none.
 
-=================================  =======================  ==============================================
-layer tensor                       block in the payload     seen in
-=================================  =======================  ==============================================
-[blocks,kv_heads,block,2*head]     [kv_heads, block, 2d]    vLLM 0.32, every backend (its per-layer view)
-[2,blocks,block,kv_heads,head]     [2, block, kv_heads, d]  K/V outside the blocks (flash-attn style)
-[2,blocks,kv_heads,block,head]     [2, kv_heads, block, d]
-[blocks,2,block,kv_heads,head]     [2, block, kv_heads, d]  K/V inside each block (flashinfer style)
-[blocks,2,kv_heads,block,head]     [2, kv_heads, block, d]
-=================================  =======================  ==============================================
-
-For the K/V-outer layouts the view swaps the first two dimensions, so a payload block is its K half then
-its V half, as for the K/V-inner ones. Refused, with the reason: MLA's latent cache (no K/V heads), and
-anything else (unknown). A refused layout disables the connector; the engine runs as if it had none.
-
-The copies never look inside a block, and the same shape can hold different bytes: in vLLM 0.32 the CPU
-backend stores a head's block as its K rows then its V rows, flash-attn K and V side by side per token.
-So the key namespace (`block_layout_name`) names the platform, the attention backend, the tensor layout
-and the block size, and engines that differ in any of them never share a chunk. vLLM's physical layout
-(``LBHNC``, ``LBNHC``, ...: which dimension is outermost in memory) is not in it: the copies go through
-the logical view, so a payload is the same whatever the strides.
-
-When ``kv_heads`` equals the block size, the two 5-D orders of one family have the same shape; they are
-named block-major. The copies are the same either way, and the backend in the namespace pins the meaning.
+The copies never look inside a block, and the same shape can hold different bytes, so the key namespace
+(`block_layout_name`) names the platform, the attention backend, the tensor layout and the block size, and
+engines that differ in any of them never share a chunk. vLLM's physical layout (which dimension is
+outermost in memory) is not in it: the copies go through the logical view, so a payload is the same
+whatever the strides.
 """
 
 from __future__ import annotations
@@ -82,7 +66,23 @@ _SPLIT_KV = {
 
 
 def detect_layout(shape: tuple[int, ...], attn: AttentionShape) -> LayoutVerdict:
-    """The layout of one layer's KV cache tensor of ``shape``."""
+    """The layout of one layer's KV cache tensor of ``shape`` (``d`` = head size):
+
+    =================================  =======================  ==========================================
+    layer tensor                       block in the payload     seen in
+    =================================  =======================  ==========================================
+    [blocks,kv_heads,block,2*head]     [kv_heads, block, 2d]    vLLM 0.32, every backend (per-layer view)
+    [2,blocks,block,kv_heads,head]     [2, block, kv_heads, d]  K/V outside the blocks (flash-attn style)
+    [2,blocks,kv_heads,block,head]     [2, kv_heads, block, d]
+    [blocks,2,block,kv_heads,head]     [2, block, kv_heads, d]  K/V inside each block (flashinfer style)
+    [blocks,2,kv_heads,block,head]     [2, kv_heads, block, d]
+    =================================  =======================  ==========================================
+
+    For the K/V-outer layouts the view swaps the first two dimensions, so a payload block is its K half then
+    its V half, as for the K/V-inner ones. When ``kv_heads`` equals the block size, the two 5-D orders of one
+    family have the same shape; they are named block-major. The copies are the same either way, and the
+    backend in the namespace pins the meaning.
+    """
     h, n, d = attn.num_kv_heads, attn.block_size, attn.head_size
     if len(shape) == 4 and shape[1:] == (h, n, 2 * d):
         return LayoutVerdict(PAGED_LAYOUT, True)
@@ -110,7 +110,10 @@ def detect_layout(shape: tuple[int, ...], attn: AttentionShape) -> LayoutVerdict
 
 def block_layout_name(layout: str, *, platform: str, backend: str, block_size: int) -> str:
     """The block layout part of the key namespace: platform, attention backend, tensor layout and block
-    size, e.g. "vllm-cpu/CPU_ATTN:[blocks,kv_heads,block=128,2*head]"."""
+    size, e.g. "vllm-cpu/CPU_ATTN:[blocks,kv_heads,block=128,2*head]". The backend is in it because one
+    shape can hold different bytes: in vLLM 0.32 the CPU backend stores a head's block as its K rows then its
+    V rows, flash-attn K and V side by side per token. vLLM's physical layout (``LBHNC``, ``LBNHC``, ...) is
+    not."""
     return f"vllm-{platform}/{backend}:{layout.replace(',block,', f',block={block_size},')}"
 
 

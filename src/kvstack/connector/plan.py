@@ -5,17 +5,12 @@ A prompt is cut into chunks of ``chunk_size`` tokens (a multiple of the block si
 ``blocks_per_chunk`` whole blocks); chunk ``c`` covers tokens ``[c * chunk_size, (c + 1) * chunk_size)`` and
 the request's blocks ``block_ids[c * bpc : (c + 1) * bpc]``. Only full chunks of the prompt are keyed.
 
-- Loads are planned in blocks: the local prefix hit ends on a block boundary, possibly inside a chunk, so
-  a chunk is fetched whole and only its blocks past the hit are copied (``first_block``).
-- The loadable end is the store's hit (whole chunks) capped just before the prompt's last token
-  (`loadable_end`): vLLM must compute at least that token to sample from it. When the store holds the whole
-  prompt, the load ends inside the last block: that block is copied whole, and the slots past the end
-  (the last token's) are written again by vLLM's forward pass.
-- A chunk is saved by the engine that computes it, once all its tokens are computed; chunks the store
-  already held at lookup, and chunks that were a local prefix hit, are not saved again.
-- Saves run after the step, in the background (``kvstack.connector.saves``): a finished request whose
-  saves may still read its blocks is ``held`` (vLLM frees its blocks when the workers report it), and a
-  preempted one is listed so that the workers stop reading its blocks before vLLM reuses them.
+- Loads are planned in blocks (`plan_load`) up to `loadable_end`: the store's hit (whole chunks) capped just
+  before the prompt's last token, which vLLM must compute to sample from it.
+- A chunk is saved by the engine that computes it, once all its tokens are computed (`plan_save`); chunks
+  the store already held at lookup, and chunks that were a local prefix hit, are not saved again.
+- Saves run after the step, in the background (``kvstack.connector.saves``); `StepPlan` says which
+  requests' blocks vLLM keeps for them (``held``) and which it freed (``preempted``).
 """
 
 from __future__ import annotations
@@ -120,8 +115,12 @@ def plan_load(
     """The chunk loads that fill tokens ``[start, end)`` into ``block_ids``: ``start`` on a block boundary,
     ``end`` anywhere (a last block only partly needed is copied whole).
 
-    ``keys`` are the prompt's chunk keys from chunk 0; ``block_ids`` the request's blocks from block 0.
-    Raises ValueError when the range does not start on a block boundary or reaches past the keys or blocks.
+    ``keys`` are the prompt's chunk keys from chunk 0; ``block_ids`` the request's blocks from block 0. The
+    local prefix hit ends on a block boundary, possibly inside a chunk, so a chunk is fetched whole and only
+    its blocks past the hit are copied (``first_block``). When the store holds the whole prompt, the load ends
+    inside the last block: that block is copied whole, and the slots past the end (the last token's) are
+    written again by vLLM's forward pass. Raises ValueError when the range does not start on a block boundary
+    or reaches past the keys or blocks.
     """
     if start % block_size or not 0 <= start < end:
         raise ValueError(f"load range [{start}, {end}) is empty or does not start on a block ({block_size})")

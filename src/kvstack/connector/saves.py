@@ -3,23 +3,13 @@ computed chunks out of vLLM's KV blocks and sends them, so the forward pass neve
 
 A step's `RequestSave` is one job. `SaveQueue` runs jobs in order on its thread in two phases: ``gather``
 (reads the request's KV blocks into payloads) and ``send`` (puts the payloads; blocks no longer needed).
-A job may come with ``ready``, called on the thread before its gather: for a KV cache on a device, it
-waits until the forward pass that wrote the blocks has finished (the caller's thread does not wait).
 It never blocks the caller: a job that finds the queue full (``capacity`` jobs waiting) is dropped and
 counted, and a failed gather or send is counted, never raised; either way the chunks are a future miss.
+vLLM must not reuse blocks while a gather reads them: `SaveQueue` tracks, per request, the jobs not done
+reading and says when a request's blocks are free again. ``close`` sends what is queued for up to
+``timeout_s`` and drops the rest.
 
-vLLM must not reuse blocks while a gather reads them. `SaveQueue` tracks, per request, the jobs not done
-reading (queued or gathering) and reports the rest of the contract's facts:
-
-- ``take_acks``: jobs done reading since the last call, per request (the scheduler half frees a finished
-  request's blocks at once when every planned job of it is acknowledged);
-- ``hold`` / ``take_released``: a finished request whose blocks vLLM keeps for us is released (reported
-  once, as vLLM's ``finished_sending``) when its last job is done reading, or at once if none is left;
-- ``cancel``: a preempted request's blocks are freed without notice and reused in the coming step, so its
-  queued jobs are dropped and a gather in progress is waited for.
-
-``close`` sends what is queued for up to ``timeout_s`` and drops the rest. No torch, no vLLM: the two
-phases are passed in (`kvstack.connector.worker.BlockMover` provides them).
+No torch, no vLLM: the two phases are passed in (`kvstack.connector.worker.BlockMover` provides them).
 """
 
 from __future__ import annotations
@@ -59,7 +49,19 @@ class SaveStats:
 
 
 class SaveQueue(Generic[T]):
-    """Save jobs run in order on one background thread (see the module docstring). Thread-safe."""
+    """Save jobs run in order on one background thread (see the module docstring). Thread-safe.
+
+    A job may come with ``ready``, called on the thread before its gather: for a KV cache on a device, it
+    waits until the forward pass that wrote the blocks has finished (the caller's thread does not wait).
+    What the queue reports about blocks (vLLM 0.32's contract), per request:
+
+    - `take_acks`: jobs done reading since the last call, per request (the scheduler half frees a finished
+      request's blocks at once when every planned job of it is acknowledged);
+    - `hold` / `take_released`: a finished request whose blocks vLLM keeps for us is released (reported
+      once, as vLLM's ``finished_sending``) when its last job is done reading, or at once if none is left;
+    - `cancel`: a preempted request's blocks are freed without notice and reused in the coming step, so its
+      queued jobs are dropped and a gather in progress is waited for.
+    """
 
     def __init__(
         self,

@@ -9,38 +9,11 @@ cache server and plans each step's loads and saves (``kvstack.connector.planner`
 chunks into the allocated blocks in ``start_load_kv`` (synchronous, before the forward pass) and, in
 ``wait_for_save``, hands the step's newly computed full chunks to a background thread that saves them
 (``kvstack.connector.saves``; a full queue drops the save, the forward pass never waits).
-``wait_for_layer_load`` and ``save_kv_layer`` do nothing: the whole step's KV is moved at once.
-
-Blocks a save reads stay allocated until it has read them (vLLM 0.32's contract):
-
-- the workers acknowledge each save job once done reading, through their worker metadata;
-- ``request_finished`` returns ``(False, None)`` when every save job of the request is acknowledged (or
-  it had none), else ``(True, None)``: vLLM keeps the blocks, the next plan lists the request as held, and
-  the workers report it in ``get_finished`` (``finished_sending``) once, when its jobs are done; vLLM
-  passes it in that step's ``finished_req_ids`` too, as the contract requires;
-- preemption frees blocks without ``request_finished``: the next plan lists preempted requests with jobs
-  in flight, and ``handle_preemptions`` (before the forward pass) drops their queued jobs and waits for
-  a gather in progress. An abort is an ordinary ``request_finished``.
 
 Faults never reach vLLM as exceptions: a lookup that fails is a miss, a load that fails reports its blocks
-in ``get_block_ids_with_load_errors``, a save that fails is dropped and counted. Set
-``"kv_load_failure_policy": "recompute"`` in ``--kv-transfer-config``: vLLM then recomputes the blocks of a
-failed load (a lost, corrupt or wrong-sized chunk) and the request is answered as if nothing had been
-loaded; under vLLM's default, "fail", such a request fails (a warning at start-up says so). A KV cache
-layout or model the connector cannot handle turns it off (logged once); the engine then runs as if it had
-no connector. ``shutdown`` sends what is queued for up to 5 s and drops the rest; vLLM waits for it only
-with ``--shutdown-timeout`` > 0 (its default, 0, kills the workers at once: saves still queued are lost,
-future misses).
-
-The key namespace names the KV cache layout and the attention backend (``kvstack.connector.layout``),
-which only the workers know: vLLM builds the scheduler half without tensors and picks a backend per layer
-in the workers (``cache_config.kv_cache_layout`` is the physical order in memory, not the tensor layout).
-Each worker detects both in ``register_kv_caches`` and reports the block layout as handshake metadata
-(``get_handshake_metadata``); vLLM hands the reports to the scheduler half (``set_xfer_handshake_metadata``)
-before the first request. The scheduler half keys nothing until every tensor-parallel rank has reported the
-same block layout (a problem or a disagreement turns the connector off). Every step's plan names its keys'
-block layout; a worker whose own differs turns itself off (its loads fail and are recomputed, its saves
-are skipped) and tells the scheduler half through its worker metadata.
+in ``get_block_ids_with_load_errors`` (vLLM recomputes them under ``"kv_load_failure_policy": "recompute"``;
+under its default, "fail", the request fails), a save that fails is dropped and counted. A KV cache layout
+or model the connector cannot handle turns it off (logged once); the engine then runs without it.
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -197,7 +170,37 @@ def cacheable_tokens(request: Request) -> list[int] | None:
 
 
 class KVStackConnector(KVConnectorBase_V1):
-    """kvstack's KV cache tier behind vLLM's KV connector API (see the module docstring)."""
+    """kvstack's KV cache tier behind vLLM's KV connector API (see the module docstring).
+
+    ``wait_for_layer_load`` and ``save_kv_layer`` do nothing: the whole step's KV is moved at once. Blocks a
+    save reads stay allocated until it has read them (vLLM 0.32's contract):
+
+    - the workers acknowledge each save job once done reading, through their worker metadata;
+    - ``request_finished`` returns ``(False, None)`` when every save job of the request is acknowledged (or
+      it had none), else ``(True, None)``: vLLM keeps the blocks, the next plan lists the request as held,
+      and the workers report it in ``get_finished`` (``finished_sending``) once, when its jobs are done;
+      vLLM passes it in that step's ``finished_req_ids`` too, as the contract requires;
+    - preemption frees blocks without ``request_finished``: the next plan lists preempted requests with
+      jobs in flight, and ``handle_preemptions`` (before the forward pass) drops their queued jobs and waits
+      for a gather in progress. An abort is an ordinary ``request_finished``.
+
+    A failed load is a lost, corrupt or wrong-sized chunk; with ``"recompute"`` the request is answered as
+    if nothing had been loaded, and a warning at start-up says when the policy is "fail". ``shutdown``
+    sends what is queued for up to 5 s and drops the rest; vLLM waits for it only with
+    ``--shutdown-timeout`` > 0 (its default, 0, kills the workers at once: saves still queued are lost,
+    future misses).
+
+    The key namespace names the KV cache layout and the attention backend (``kvstack.connector.layout``),
+    which only the workers know: vLLM builds the scheduler half without tensors and picks a backend per
+    layer in the workers (``cache_config.kv_cache_layout`` is the physical order in memory, not the tensor
+    layout). Each worker detects both in ``register_kv_caches`` and reports the block layout as handshake
+    metadata (``get_handshake_metadata``); vLLM hands the reports to the scheduler half
+    (``set_xfer_handshake_metadata``) before the first request. The scheduler half keys nothing until every
+    tensor-parallel rank has reported the same block layout (a problem or a disagreement turns the
+    connector off). Every step's plan names its keys' block layout; a worker whose own differs turns itself
+    off (its loads fail and are recomputed, its saves are skipped) and tells the scheduler half through its
+    worker metadata.
+    """
 
     _cache_hit_source = CacheHitSource.EXTERNAL_UNSPECIFIED
 

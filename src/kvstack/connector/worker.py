@@ -2,22 +2,13 @@
 
 A chunk's payload is the raw bytes of a ``[layers, blocks_per_chunk, *block]`` tensor (one per chunk,
 every layer in it, so the store's chunk is the router's block), where ``block`` is one block of a layer's
-block-first view: the tensor itself when blocks index its first dimension, the tensor with its first two
-dimensions swapped for the K/V-outer layouts ``[2, blocks, ...]`` (a block is then ``[2, *rest]``, its K
-half and its V half; see ``kvstack.connector.layout``). Its size is checked on load, its meaning is
-pinned by the key namespace.
+block-first view (``kvstack.connector.layout``). Its size is checked on load, its meaning is pinned by the
+key namespace.
 
 A load is synchronous: copied in before the forward pass reads it. A save has two phases, run by the
 background thread of ``kvstack.connector.saves``: ``gather`` copies the blocks (the only phase that reads
 them) straight into arena regions reserved from the save client, ``send`` puts those regions (offsets, no
 further copy). Loads and saves use two clients: a `CacheClient` is not thread-safe.
-
-Device caches (CUDA and the like): a load copies the chunk's part to the device in one synchronous copy
-(the payload has been read when it returns), then scatters it into the blocks on the device, in stream
-order before the forward pass. A save first waits for the forward pass that wrote the blocks (`written`:
-a device event recorded after it, waited on by the save thread), gathers the blocks on the device and
-copies them to the host region in one synchronous copy (the blocks have been read when it returns, so
-vLLM may reuse them). On the CPU none of this applies: blocks are copied in place.
 
 `BlockMover` never raises for a cache fault: a lost or malformed chunk is a failed load (its blocks and
 every later block of the request are returned as failed, so vLLM recomputes them; a chunk of the wrong
@@ -46,7 +37,19 @@ class BlockMover:
     """Copies chunks between the cache server and the KV blocks of ``layers`` (one tensor per layer, in
     the key namespace's layer order, blocks along dimension ``block_dim``), as tensor-parallel rank
     ``rank``: loads through ``client``, saves through ``save_client`` (the same one unless saves run on
-    another thread)."""
+    another thread).
+
+    A block is one index of dimension 0 of a layer's block-first view: the tensor itself when blocks index
+    its first dimension, the tensor with its first two dimensions swapped for the K/V-outer layouts
+    ``[2, blocks, ...]`` (a block is then ``[2, *rest]``, its K half and its V half).
+
+    Device caches (CUDA and the like): a load copies the chunk's part to the device in one synchronous copy
+    (the payload has been read when it returns), then scatters it into the blocks on the device, in stream
+    order before the forward pass. A save first waits for the forward pass that wrote the blocks
+    (`written`: a device event recorded after it, waited on by the save thread), gathers the blocks on the
+    device and copies them to the host region in one synchronous copy (the blocks have been read when it
+    returns, so vLLM may reuse them). On the CPU none of this applies: blocks are copied in place.
+    """
 
     def __init__(
         self,

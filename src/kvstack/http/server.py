@@ -1,35 +1,16 @@
 """The router's HTTP/1.1 server: llhttp (``httptools``) on an asyncio protocol, nothing else in the way.
 
-The router's work per request is small (parse a JSON body, pick an engine, relay bytes), so the server
-around it must be smaller still (why not aiohttp's: docs/design/router-request-path.md). A
-request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
+A request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
 handed to one handler coroutine per request; the handler either returns a `Response` (sent with its
-length in one write) or streams through the connection (`start`, `write`, `end`: chunked encoding).
+length in one write) or streams through the connection (`start`, `write`, `end`: chunked encoding). Why
+not aiohttp's server: docs/design/router-request-path.md.
 
-Protocol behaviour:
-- keep-alive and pipelining: requests on one connection are answered in order, one handler at a time;
-  at most ``MAX_PIPELINED`` wait, beyond that reading pauses until the handler catches up, and no
-  further request is taken while the client leaves its answers unread (transport over its high-water mark);
-- ``Expect: 100-continue`` is answered once all headers passed their checks (413 instead when the announced
-  body is too large), held while an earlier answer is still being sent (dropped if the body comes
-  meanwhile), never sent to HTTP/1.0; chunked request bodies are decoded;
-- RFC 9112 request checks: exactly one Host (400; none is fine for HTTP/1.0), HTTP/1.0 or 1.1 only (505),
-  no transfer coding but chunked (501); an absolute-form target (``http://host/path``) is served by its path;
-- an ``Upgrade`` offer (h2c, websocket) is ignored and the request served as HTTP/1.1 with its body
-  (RFC 9110 §7.8); a CONNECT request is answered, then the connection closes;
-- limits, each answered in OpenAI error JSON then the connection closes: URL over ``MAX_URL_BYTES`` (414),
-  headers over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431), a body over ``max_body`` (413), malformed
-  HTTP (400), a request not received within ``receive_timeout`` (408); a bad request pipelined behind
-  others is refused after their answers (RFC 9112 §9.3.2), reading stops meanwhile;
-- a client that half-closes (``shutdown(SHUT_WR)``) is taken as gone, as nginx and uvicorn take it: the
-  FIN of a close and of a half-close look the same, and a client that left must cancel its handler;
-- an idle keep-alive connection closes after ``keep_alive_timeout``; beyond ``max_connections`` open
-  connections a new one is answered 503 (OpenAI error JSON, ``Retry-After``) and closed;
-- a client that disconnects cancels its handler (the proxy then closes the upstream request, which is how
-  an engine learns to abort), and a write to a gone client raises ``ConnectionResetError``;
-- write back-pressure: ``write`` waits while the client's socket buffer is over its high-water mark;
-- HTTP/1.0 clients get close-delimited streams, and ``Connection: keep-alive`` when they asked for it and the
-  connection stays open; HEAD is answered as GET without the body.
+Requests on one connection are answered in order, one handler at a time (keep-alive and pipelining, at
+most ``MAX_PIPELINED`` waiting). A request over a limit (``MAX_URL_BYTES``, ``MAX_HEADER_BYTES``,
+``MAX_HEADERS``, ``max_body``, ``receive_timeout``) or beyond ``max_connections`` is answered in OpenAI
+error JSON, then the connection closes. A client that disconnects cancels its handler, and a write to a
+gone client raises ``ConnectionResetError``. `Connection` lists the protocol behaviour in full (RFC 9112
+checks, ``Expect: 100-continue``, ``Upgrade``, half-close, HTTP/1.0, HEAD).
 """
 
 from __future__ import annotations
@@ -154,7 +135,35 @@ def _origin_form(target: str) -> str:
 
 
 class Connection(asyncio.Protocol):
-    """One client connection: parses requests, runs their handler, writes the answers."""
+    """One client connection: parses requests, runs their handler, writes the answers.
+
+    Protocol behaviour:
+
+    - keep-alive and pipelining: requests on one connection are answered in order, one handler at a time; at
+      most ``MAX_PIPELINED`` wait, beyond that reading pauses until the handler catches up, and no further
+      request is taken while the client leaves its answers unread (transport over its high-water mark);
+    - ``Expect: 100-continue`` is answered once all headers passed their checks (413 instead when the
+      announced body is too large), held while an earlier answer is still being sent (dropped if the body
+      comes meanwhile), never sent to HTTP/1.0; chunked request bodies are decoded;
+    - RFC 9112 request checks: exactly one Host (400; none is fine for HTTP/1.0), HTTP/1.0 or 1.1 only (505),
+      no transfer coding but chunked (501); an absolute-form target (``http://host/path``) is served by its
+      path;
+    - an ``Upgrade`` offer (h2c, websocket) is ignored and the request served as HTTP/1.1 with its body (RFC
+      9110 §7.8); a CONNECT request is answered, then the connection closes;
+    - limits, each answered in OpenAI error JSON then the connection closes: URL over ``MAX_URL_BYTES`` (414),
+      headers over ``MAX_HEADER_BYTES`` or ``MAX_HEADERS`` (431), a body over ``max_body`` (413), malformed
+      HTTP (400), a request not received within ``receive_timeout`` (408); a bad request pipelined behind
+      others is refused after their answers (RFC 9112 §9.3.2), reading stops meanwhile;
+    - a client that half-closes (``shutdown(SHUT_WR)``) is taken as gone, as nginx and uvicorn take it: the
+      FIN of a close and of a half-close look the same, and a client that left must cancel its handler;
+    - an idle keep-alive connection closes after ``keep_alive_timeout``; beyond ``max_connections`` open
+      connections a new one is answered 503 (OpenAI error JSON, ``Retry-After``) and closed;
+    - a client that disconnects cancels its handler (the proxy then closes the upstream request, which is how
+      an engine learns to abort), and a write to a gone client raises ``ConnectionResetError``;
+    - write back-pressure: ``write`` waits while the client's socket buffer is over its high-water mark;
+    - HTTP/1.0 clients get close-delimited streams, and ``Connection: keep-alive`` when they asked for it and
+      the connection stays open; HEAD is answered as GET without the body.
+    """
 
     def __init__(self, server: HttpServer) -> None:
         self._server = server

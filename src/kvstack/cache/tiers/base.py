@@ -1,6 +1,6 @@
 """The contract every KV cache tier implements (memory, local disk, Redis, S3), and its counters.
 
-A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every tier keeps:
+A tier (`Tier`) maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every tier keeps:
 
 - No method raises for a tier fault (I/O error, lost connection, corrupt entry): a read fault is a miss, a
   write fault is a dropped write, and both are counted in `TierStats`. Programming errors still raise.
@@ -10,15 +10,7 @@ A tier maps `ChunkKey` to an opaque payload (one chunk's KV bytes). Rules every 
   longer than a moment should copy it or use the tier's pinning where it has one.
 - ``start`` and ``close`` own whatever the tier runs (threads, connections, tasks); a tier is used between
   them.
-- ``listener`` (optional, set by whoever owns the tier, e.g. the cache server) hears which chunks entered
-  the tier (``stored``) and left it (``removed``: evicted, deleted, found corrupt), on the event loop,
-  synchronously. ``clear`` is not reported (the owner knows about it). A tier that keeps chunks across
-  restarts (disk) also keeps, with each chunk, the listener's ``annotation`` of it (for the cache server:
-  the chunk's parent key and token ids, what an admit event needs), and ``announce_held`` hands the chunks
-  it holds back to the listener with their annotations (``restored``), e.g. chunks found at start.
-  A tier whose entries can vanish without it knowing (Redis: TTL expiry, ``maxmemory`` eviction, another
-  client's delete) reports a removal when it next finds an entry it reported stored missing (a lookup or a
-  get that asks for it).
+- An optional ``listener`` (`TierListener`) hears which chunks entered and left the tier (`Tier` says when).
 """
 
 from __future__ import annotations
@@ -98,7 +90,18 @@ class TierListener(Protocol):
 
 
 class Tier(ABC):
-    """One storage tier of chunk payloads; see the module docstring for the rules."""
+    """One storage tier of chunk payloads; see the module docstring for the rules.
+
+    ``listener`` (optional, set by whoever owns the tier, e.g. the cache server) hears which chunks entered
+    the tier (``stored``) and left it (``removed``: evicted, deleted, found corrupt), on the event loop,
+    synchronously. ``clear`` is not reported (the owner knows about it). A tier that keeps chunks across
+    restarts (disk) also keeps, with each chunk, the listener's ``annotation`` of it (for the cache server:
+    the chunk's parent key and token ids, what an admit event needs), and `announce_held` hands the chunks
+    it holds back to the listener with their annotations (``restored``), e.g. chunks found at start. A tier
+    whose entries can vanish without it knowing (Redis: TTL expiry, ``maxmemory`` eviction, another client's
+    delete) reports a removal when it next finds an entry it reported stored missing (a lookup or a get that
+    asks for it; see `Announcements`).
+    """
 
     name: str
     listener: TierListener | None = None

@@ -6,28 +6,12 @@ directory is scanned to rebuild the index, oldest mtime first (``chunkdir``), th
 (until the rename); eviction deletes least recently used files first. A hit bumps its file's mtime.
 
 Writes go to a temp file in the same directory, then ``os.replace`` onto the final name: a reader, or a
-restart after ``kill -9``, sees the old file, the complete new one, or none. What a ``put`` that returned
-True guarantees, by ``fsync`` policy: ``never``: no fsync (a killed process loses nothing it renamed; a
-machine crash may lose recent chunks or leave torn files, which the checksum rejects: a miss, not bad data);
-``data``: each file's data is synced before its rename (a crash right after the put may lose the chunk,
-never corrupt it); ``always``: ``data`` plus an fsync of the directory after the rename (the chunk survives
-a crash). A batch starts the writeback of all its files (``sync_file_range``) before syncing each, so one
-journal commit covers most of it.
-
-Reads: a hit is a read-only view of the mapped payload, no copy (see `chunkfile.map_payload`); a corrupt or
-truncated file is deleted, counted in ``corrupt`` and read as a miss. A job opens and hints
-(``POSIX_FADV_WILLNEED``) up to 16 files before reading the first, so cold files are fetched together.
-Files wholly in the page cache (``cachestat``, see `pagecache`) are read on the event loop, up to
-``inline_read_bytes`` per call (0: never); the rest, and all other blocking file I/O, run in ``io_threads``
-threads the tier starts in ``start`` and joins in ``close``, a batch cut into at most ``io_threads`` jobs of
-at least 1 MiB. The index itself is only touched on the event loop.
-
-Full disk (a write fails with ``ENOSPC`` or ``EDQUOT``): that write is dropped and the limit
-(``limit_bytes``) drops to the bytes the tier holds, so later writes evict the oldest chunks instead of
-failing too. While limited, a put with no other write in flight re-checks the free space (``statvfs``, at
-most every 2 s) and raises the limit to the tier's files plus what is free, up to ``capacity_bytes``. (A
-quota is invisible to ``statvfs``: an exhausted one costs a dropped write per re-check.) Failed writes are
-logged at most once per 10 s per errno, with how many were not.
+restart after ``kill -9``, sees the old file, the complete new one, or none; what survives a machine crash
+depends on ``fsync`` (`FsyncPolicy`). A corrupt or truncated file is deleted, counted in ``corrupt`` and read
+as a miss. Blocking file I/O runs in ``io_threads`` threads the tier starts in ``start`` and joins in
+``close``; the index is only touched on the event loop. A full disk drops the write and lowers the budget
+to what the tier holds, so later writes evict instead of failing (`DiskTier` says how reads are batched and
+how the budget recovers).
 """
 
 from __future__ import annotations
@@ -72,6 +56,12 @@ __all__ = ["DiskTier", "FsyncPolicy"]
 log = logging.getLogger(__name__)
 
 FsyncPolicy = Literal["never", "data", "always"]
+"""What a ``put`` that returned True guarantees. ``never``: no fsync (a killed process loses nothing it
+renamed; a machine crash may lose recent chunks or leave torn files, which the checksum rejects: a miss, not
+bad data). ``data``: each file's data is synced before its rename (a crash right after the put may lose the
+chunk, never corrupt it). ``always``: ``data`` plus an fsync of the directory after the rename (the chunk
+survives a crash). A batch starts the writeback of all its files (``sync_file_range``) before syncing each, so
+one journal commit covers most of it."""
 _ANNOUNCE_BATCH = 256
 _MIN_JOB_BYTES = 1 << 20
 _READ_AHEAD = 16  # files of a read job opened and hinted together (bounds the descriptors a job holds)
@@ -115,7 +105,21 @@ class _PendingWrite:
 
 
 class DiskTier(Tier):
-    """Chunk files under ``root`` within ``capacity_bytes``; see the module docstring."""
+    """Chunk files under ``root`` within ``capacity_bytes``; see the module docstring.
+
+    Reads: a hit is a read-only view of the mapped payload, no copy (see `chunkfile.map_payload`). A job
+    opens and hints (``POSIX_FADV_WILLNEED``) up to 16 files before reading the first, so cold files are
+    fetched together. Files wholly in the page cache (``cachestat``, see `pagecache`) are read on the event
+    loop, up to ``inline_read_bytes`` per call (0: never); the rest, and all other blocking file I/O, run in
+    the ``io_threads`` threads, a batch cut into at most ``io_threads`` jobs of at least 1 MiB.
+
+    Full disk (a write fails with ``ENOSPC`` or ``EDQUOT``): that write is dropped and the limit
+    (`limit_bytes`) drops to the bytes the tier holds, so later writes evict the oldest chunks instead of
+    failing too. While limited, a put with no other write in flight re-checks the free space (``statvfs``,
+    at most every 2 s) and raises the limit to the tier's files plus what is free, up to ``capacity_bytes``.
+    (A quota is invisible to ``statvfs``: an exhausted one costs a dropped write per re-check.) Failed writes
+    are logged at most once per 10 s per errno, with how many were not.
+    """
 
     def __init__(
         self,
@@ -410,7 +414,7 @@ class DiskTier(Tier):
 
     def _jobs(self, nbytes: int) -> int:
         """How many jobs to cut a batch of ``nbytes`` into: at most ``io_threads``, each of at least
-        ``_MIN_JOB_BYTES`` (see the module docstring)."""
+        ``_MIN_JOB_BYTES`` (see the class docstring)."""
         return max(1, min(self._io_threads, nbytes // _MIN_JOB_BYTES))
 
     async def _run(self, job: Callable[[], _T], settle: Callable[[_T | None], None] | None = None) -> _T:

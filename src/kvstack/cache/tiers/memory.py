@@ -1,33 +1,17 @@
 """The memory tier: chunk payloads in process memory under a byte budget, LRU, with pinning.
 
-Storage: one anonymous private mapping (``mmap``, pre-faulted) per entry, sized to the payload rounded up to
-whole pages (an empty payload too gets a page: every entry counts in the budget, so no number of them can
-grow the process outside it). Freeing an entry unmaps it, so its pages go straight back to the OS: there is
-no allocator heap in between to fragment, and the process's memory for this tier is exactly the sum of its
-mappings.
+Each entry is one anonymous mapping sized to its payload rounded up to whole pages; freeing an entry unmaps
+it, so the tier's memory is exactly the sum of its mappings. ``capacity_bytes`` bounds the page-rounded size
+of every mapping the tier holds, including evicted or deleted entries a reader still sees through a view,
+and is never exceeded: a put that cannot make room (everything left is pinned or still being read), or that
+is larger than the budget, is dropped and counted. Eviction takes the least recently used entry first (a
+get, a pin or a put makes an entry the most recent) and skips pinned entries.
 
-Budget: ``capacity_bytes`` bounds the page-rounded size of every mapping the tier holds, including evicted
-or deleted entries that a reader still sees through a view (see below). It is never exceeded: a put that
-cannot make room (everything left is pinned or still being read) is dropped and counted. A payload larger
-than the budget is dropped.
-
-Eviction: least recently used first (a get, a pin or a put makes an entry the most recent); pinned entries
-are skipped. When the evicted mapping has the size the new payload needs and nobody reads it, it is reused
-in place: a full cache of equal-size chunks (the usual case) puts at memcpy speed, with no page faults.
-
-Readers:
-
-- ``get`` returns a read-only ``memoryview`` into the entry's mapping, no copy. An entry is never written
-  again while any view of it (or a slice of one) is alive: if it is evicted or replaced meanwhile, the
-  mapping is kept, still counted in the budget, and unmapped once the last view is gone. Liveness of views is
-  read from the mapping's reference count (CPython's buffer protocol keeps one reference per live export).
-- ``with tier.pinned(key) as view:`` also guarantees the entry stays in the tier (never evicted) while the
-  block runs; ``view`` is None on a miss and released on exit.
-
-Cost: a put of N bytes is one memcpy of N bytes (plus, into a fresh mapping, faulting in its pages); a get
-copies nothing. Not thread-safe: use it from one event loop; the async methods are thin wrappers of the
-``*_sync`` core, which never blocks (no I/O). A reader that keeps a view for long holds memory the cache
-cannot reuse: copy, or keep views short.
+``get`` returns a read-only ``memoryview`` into the entry's mapping, no copy, and an entry is never written
+again while any view of it is alive; ``with tier.pinned(key) as view:`` also keeps the entry in the tier
+while the block runs. A reader that keeps a view for long holds memory the cache cannot reuse: copy, or keep
+views short. Not thread-safe: use it from one event loop; the async methods are thin wrappers of the
+``*_sync`` core, which never blocks (no I/O).
 """
 
 from __future__ import annotations
@@ -71,7 +55,20 @@ class _Entry:
 
 
 class MemoryTier(Tier):
-    """Chunk payloads in page-rounded anonymous mappings within ``capacity_bytes`` (see the module doc)."""
+    """Chunk payloads in page-rounded anonymous mappings within ``capacity_bytes`` (see the module doc).
+
+    Storage: one anonymous private mapping (``mmap``, pre-faulted) per entry; an empty payload too gets a
+    page, so every entry counts in the budget and no number of them can grow the process outside it.
+
+    When the evicted mapping has the size the new payload needs and nobody reads it, it is reused in place:
+    a full cache of equal-size chunks (the usual case) puts at memcpy speed, with no page faults. An entry
+    evicted or replaced while a view of it (or a slice of one) is alive keeps its mapping, still counted in
+    the budget, until the last view is gone; liveness of views is read from the mapping's reference count
+    (CPython's buffer protocol keeps one reference per live export).
+
+    Cost: a put of N bytes is one memcpy of N bytes (plus, into a fresh mapping, faulting in its pages); a
+    get copies nothing.
+    """
 
     def __init__(self, capacity_bytes: int, *, name: str = "memory") -> None:
         if capacity_bytes < 0:
@@ -111,7 +108,8 @@ class MemoryTier(Tier):
 
     @contextmanager
     def pinned(self, key: ChunkKey) -> Iterator[memoryview | None]:
-        """A view of ``key``'s payload (None on a miss); the entry is not evicted inside the block."""
+        """A view of ``key``'s payload (None on a miss, released on exit); the entry is not evicted inside
+        the block."""
         entry = self._entries.get(key)
         if entry is None:
             self._stats.misses += 1

@@ -3,33 +3,15 @@
 Keys: ``prefix + hex(chunk key)`` (prefix default ``kvstack:kv:``), so several caches can share one server
 and ``clear`` removes only this tier's keys. Values: one `record` (64-byte header with magic, version,
 length, key and xxh3_128 of the payload, then the payload), written with ``SET .. PX ttl`` (``ttl_s`` None:
-no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case).
+no expiry; bound the server with ``maxmemory`` and ``maxmemory-policy allkeys-lru`` in any case). A value
+that fails verification is deleted (``DEL``), counted in ``corrupt`` and a miss.
 
-- ``get_many`` is one ``MGET``, ``put_many`` one pipeline of ``SET`` s and ``contains`` /
-  ``contains_each`` one pipeline of ``STRLEN`` s, all through the tier's own `RespConnection` s
-  (``kvstack.cache.tiers.resp``: each value is received straight into a reused buffer, one copy instead of
-  redis-py's five; idle connections are kept, at most ``read_connections``), or through redis-py's
-  connections for ``rediss://`` URLs. At most ``max_connections`` calls are on the wire at once (more wait
-  for a turn), so no burst of requests can use up the server's ``maxclients``. ``STRLEN`` rather than
-  ``EXISTS``: a value of another type under a chunk's name (which ``MGET`` reads as nil) or one too short
-  to be a record is found by a lookup too, deleted and counted corrupt, so lookups and gets agree. ``delete``,
-  ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py never reads the values).
-  The ``SET`` s (no transaction) are framed here in RESP, each record's header and payload as separate
-  buffers of one bulk string: the payload is not copied into a joined value, as redis-py's ``pipe.set``
-  would need (one buffer per value). A value that fails verification is deleted (``DEL``), counted in
-  ``corrupt`` and a miss.
-- Connection loss or a timeout (``socket_timeout_s``, default 0.5 s: below the cache clients' default of
-  1 s, so a stalled Redis costs a lookup its Redis answer, not the client's whole request) marks the tier
-  down: from then on reads are misses and writes are dropped, without touching the network, counted, never
-  raised. A background task drops the client's connections and ``PING``s with exponential backoff
-  (``retry_initial_s`` doubling up to ``retry_max_s``) and marks the tier up again on the first answer.
-  redis-py's own retries are off, so a dead server costs one failed call, not a retry storm.
-- ``start`` never fails on an unreachable server: the tier starts down and comes up when the server does.
-- Removals Redis makes on its own (TTL expiry, ``maxmemory`` eviction, another client's ``DEL``) are not
-  pushed to the tier. It reports the removal of a chunk it reported stored (the last ``max_announced``)
-  when it next finds it missing: a ``contains`` (a lookup that reaches Redis), a ``get_many`` or a
-  ``delete``. Until then a router may credit a chunk that is gone; the get then misses, and the engine
-  recomputes.
+At most ``max_connections`` calls are on the wire at once, so no burst of requests can use up the server's
+``maxclients``. Connection loss or a timeout (``socket_timeout_s``) marks the tier down: reads are misses and
+writes are dropped without touching the network, counted, never raised, until a background probe gets an
+answer; ``start`` never fails on an unreachable server. Removals Redis makes on its own (TTL expiry,
+``maxmemory`` eviction, another client's ``DEL``) are reported when the tier next finds a chunk it reported
+stored missing. `RedisTier` says what each call costs on the wire.
 """
 
 from __future__ import annotations
@@ -78,7 +60,27 @@ _STREAM_WRITE_BYTES = 256 * 1024
 
 
 class RedisTier(Tier):
-    """Chunks in Redis/Valkey under ``prefix`` (see the module docstring)."""
+    """Chunks in Redis/Valkey under ``prefix`` (see the module docstring).
+
+    - ``get_many`` is one ``MGET``, ``put_many`` one pipeline of ``SET`` s and ``contains`` /
+      ``contains_each`` one pipeline of ``STRLEN`` s, all through the tier's own `RespConnection` s
+      (``kvstack.cache.tiers.resp``: each value is received straight into a reused buffer, one copy instead
+      of redis-py's five; idle connections are kept, at most ``read_connections``), or through redis-py's
+      connections for ``rediss://`` URLs. More calls than ``max_connections`` wait for a turn. ``STRLEN``
+      rather than ``EXISTS``: a value of another type under a chunk's name (which ``MGET`` reads as nil) or
+      one too short to be a record is found by a lookup too, deleted and counted corrupt, so lookups and
+      gets agree. ``delete``, ``clear`` and the reconnect probe use redis-py (hiredis is not needed: redis-py
+      never reads the values). The ``SET`` s (no transaction) are framed here in RESP, each record's header
+      and payload as separate buffers of one bulk string, so the payload is not copied into a joined value.
+    - ``socket_timeout_s`` (default 0.5 s) is below the cache clients' default of 1 s, so a stalled Redis
+      costs a lookup its Redis answer, not the client's whole request. While the tier is down, a background
+      task drops the client's connections and ``PING`` s with exponential backoff (``retry_initial_s``
+      doubling up to ``retry_max_s``) and marks the tier up again on the first answer. redis-py's own
+      retries are off, so a dead server costs one failed call, not a retry storm.
+    - It reports the removal of a chunk it reported stored (the last ``max_announced``) when it next finds
+      it missing: a ``contains`` (a lookup that reaches Redis), a ``get_many`` or a ``delete``. Until then a
+      router may credit a chunk that is gone; the get then misses, and the engine recomputes.
+    """
 
     def __init__(
         self,

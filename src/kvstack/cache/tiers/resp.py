@@ -1,28 +1,18 @@
 """A minimal RESP2 connection for the Redis tier's hot path: values are returned where the socket put them.
 
-redis-py's asyncio reader moves each value through the event loop's read buffer, a ``StreamReader`` buffer,
-a ``bytes`` out of it and two more slices (and pauses the socket whenever 128 KiB are buffered): five copies
-of every chunk. Here the connection is an ``asyncio.BufferedProtocol`` that reads into an *arena*, a 2 MiB
-buffer filled front to back: a reply's lines and its bulk strings up to 256 KiB land there, and each such
-value is returned as a ``memoryview`` slice of it, never copied after the kernel's copy. Bytes of an arena
-are never written twice once a value of it was handed out. A command whose arena is over half used by
-values handed out starts in a fresh one, so a reply of up to 1 MiB is not split across two arenas (which
-costs a copy of the part already received); reading also moves on when too little is left. A larger bulk
-string is read straight into a buffer of its own (a ``bytearray``), again one copy.
+`RespConnection` is an ``asyncio.BufferedProtocol`` that reads into an *arena*, a 2 MiB buffer filled front
+to back: a reply's lines and its bulk strings up to 256 KiB land there, and each such value is returned as a
+``memoryview`` slice of it, never copied after the kernel's copy; a larger bulk string is read straight into
+a ``bytearray`` of its own, again one copy. Bytes of an arena are never written twice once a value of it was
+handed out, so a value keeps its arena alive while it is referenced: hold a copy, not the view, to keep one
+value long (the store copies what it promotes into its memory tier).
 
-A value keeps its arena alive while it is referenced: hold a copy, not the view, to keep one value long
-(the store copies what it promotes into its memory tier). Arenas and large-value buffers come from a
-`BufferPool` (``kvstack.cache.tiers.buffers``) when one is given, and are reused once nothing refers to
-them.
-
-`RespConnection` runs one command or pipeline at a time (callers keep a pool of connections); a reply is a
-bulk string (``memoryview`` or ``bytearray``, see above), None (nil), a simple string (``bytes``), an
-integer, or a flat array of those. An error reply raises ``redis.exceptions.ResponseError`` from ``call``
-and is returned in its place by ``send`` (a pipeline); a lost connection raises
-``redis.exceptions.ConnectionError``.
-Plain TCP and unix sockets only, with ``AUTH``/``SELECT`` from the URL (``rediss://`` is left to redis-py:
-`RespAddress.from_url` returns None). Replies nested deeper than one array are refused (the tier never asks
-for them).
+A connection runs one command or pipeline at a time (callers keep a pool of connections). A reply is a bulk
+string (``memoryview`` or ``bytearray``), None (nil), a simple string (``bytes``), an integer, or a flat array
+of those (`RespReply`); replies nested deeper are refused (the tier never asks for them). An error reply
+raises ``redis.exceptions.ResponseError`` from ``call`` and is returned in its place by ``send`` (a pipeline);
+a lost connection raises ``redis.exceptions.ConnectionError``. Plain TCP and unix sockets only, with
+``AUTH``/``SELECT`` from the URL (``rediss://`` is left to redis-py: `RespAddress.from_url` returns None).
 """
 
 from __future__ import annotations
@@ -86,7 +76,13 @@ def pack_command(*args: bytes) -> list[bytes]:
 
 
 class RespConnection(asyncio.BufferedProtocol):
-    """One connection to a Redis server; see the module docstring."""
+    """One connection to a Redis server; see the module docstring.
+
+    A command whose arena is over half used by values handed out starts in a fresh one, so a reply of up to
+    1 MiB is not split across two arenas (which costs a copy of the part already received); reading also
+    moves on when too little is left. Arenas and large-value buffers come from a `BufferPool`
+    (``kvstack.cache.tiers.buffers``) when one is given, and are reused once nothing refers to them.
+    """
 
     def __init__(self, buffers: BufferPool | None = None) -> None:
         self._buffers = buffers
@@ -136,7 +132,7 @@ class RespConnection(asyncio.BufferedProtocol):
         return self._lost is None and self._transport is not None and self._waiter is None
 
     async def call(self, *args: bytes) -> RespReply:
-        """Send one command and return its reply (see the module docstring)."""
+        """Send one command and return its reply (`RespReply`); an error reply raises ``ResponseError``."""
         [reply] = await self.send([pack_command(*args)], 1)
         if isinstance(reply, ResponseError):
             raise reply

@@ -1,38 +1,18 @@
 """The S3 tier: chunks in an S3 bucket (AWS or any S3-compatible store), through aiobotocore.
 
 Objects: ``prefix + hex(chunk key)`` in ``bucket`` (prefix default ``kvstack/kv/``), each holding one
-`record` (64-byte header with magic, version, length, key and xxh3_128 of the payload, then the payload), as
-Redis values do. Credentials come from the usual chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
-``AWS_PROFILE`` or ``profile``, ``~/.aws``, an instance or pod role) unless given explicitly. The tier needs
-``s3:ListBucket`` on the bucket (without it S3 answers 403, not 404, for a missing key, and ``clear`` cannot
-list) and ``s3:GetObject``/``s3:PutObject``/``s3:DeleteObject`` under the prefix. The bucket must exist: the
-tier does not create it.
+`record`, as Redis values do; an object that fails verification, or is larger than ``max_object_bytes``, is
+a miss, counted in ``corrupt`` and deleted. Credentials come from the usual chain unless given explicitly.
+The tier needs ``s3:ListBucket`` on the bucket and ``s3:GetObject``/``s3:PutObject``/``s3:DeleteObject``
+under the prefix; the bucket must exist: the tier does not create it.
 
-- ``contains`` is a HEAD per key, ``concurrency`` at a time, in windows of ``concurrency`` consecutive keys;
-  it stops after the first window with a miss, so a prompt S3 does not hold costs one window of HEADs
-  (``contains_each`` goes on through every window). Why HEADs: keys are hashes, so a listing cannot answer
-  "how long a consecutive prefix" without listing everything, and a local memo of what the bucket holds
-  would go stale (lifecycle expiry, other servers' deletes).
-- ``get_many`` and ``put_many`` are one GET / PUT per chunk, at most ``concurrency`` requests in flight for
-  the whole tier (also the size of the HTTP connection pool). A PUT's body is the header and payload joined
-  (one copy: botocore takes no buffer list). botocore's own CRC checksums are off (``when_required``): the
-  record's checksum already covers the bytes end to end and is verified on every read.
-- An object that fails verification (length, key, checksum), or is larger than ``max_object_bytes``, is a
-  miss, counted in ``corrupt`` and deleted.
-- Connection errors and timeouts mark the tier down: from then on reads are misses and writes are dropped,
-  without touching the network, counted, never raised. A background task probes the bucket (``HEAD`` bucket)
-  with exponential backoff (``retry_initial_s`` doubling up to ``retry_max_s``) and marks the tier up again on
-  the first answer. botocore's own retries are off, so a dead endpoint costs one failed call, not a retry
-  storm. Other errors (403, 5xx) are counted in ``errors`` and are a miss or a dropped write.
-- ``start`` never fails on an unreachable endpoint, a missing bucket or missing credentials: the tier starts
-  down (and says why in the log) and comes up when a probe succeeds.
-- Expiry: S3 has no per-object TTL. Bound the cache with the bucket's lifecycle rules (e.g. expire objects
-  under the prefix N days after creation); ``delete`` (the server's evict) and ``clear`` remove objects here.
-  ``clear`` lists the prefix and deletes, 1,000 per request, the objects named like this tier's chunks (the
-  prefix, then 64 hex digits): not another tier's chunks under a longer prefix, nor anything else.
-- Removals S3 makes on its own (lifecycle expiry, another client's delete) are not pushed to the tier. As the
-  Redis tier does, it reports the removal of a chunk it reported stored (the last ``max_announced``) when it
-  next finds it missing (a ``contains``, a ``get_many`` or a ``delete``).
+At most ``concurrency`` requests are in flight. Connection errors and timeouts mark the tier down: reads are
+misses and writes are dropped without touching the network, counted, never raised, until a probe succeeds;
+other errors (403, 5xx) are counted in ``errors`` and are a miss or a dropped write. ``start`` never fails on
+an unreachable endpoint, a missing bucket or missing credentials: the tier starts down and says why in the
+log. S3 has no per-object TTL: bound the cache with the bucket's lifecycle rules. Removals S3 makes on its
+own are reported when the tier next finds a chunk it reported stored missing. `S3Tier` says what each call
+costs.
 """
 
 from __future__ import annotations
@@ -95,7 +75,31 @@ _FAILED = _Outcome.FAILED
 
 
 class S3Tier(Tier):
-    """Chunks as objects under ``prefix`` in ``bucket`` (see the module docstring)."""
+    """Chunks as objects under ``prefix`` in ``bucket`` (see the module docstring).
+
+    - Objects hold a `record`: a 64-byte header with magic, version, length, key and xxh3_128 of the
+      payload, then the payload. Credentials: ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``, ``AWS_PROFILE``
+      or ``profile``, ``~/.aws``, an instance or pod role, unless given explicitly. Without ``s3:ListBucket``
+      S3 answers 403, not 404, for a missing key, and ``clear`` cannot list.
+    - ``contains`` is a HEAD per key, ``concurrency`` at a time, in windows of ``concurrency`` consecutive
+      keys; it stops after the first window with a miss, so a prompt S3 does not hold costs one window of
+      HEADs (``contains_each`` goes on through every window).
+    - ``get_many`` and ``put_many`` are one GET / PUT per chunk, at most ``concurrency`` requests in flight
+      for the whole tier (also the size of the HTTP connection pool). A PUT's body is the header and payload
+      joined (one copy: botocore takes no buffer list). botocore's own CRC checksums are off
+      (``when_required``): the record's checksum already covers the bytes end to end and is verified on
+      every read.
+    - While the tier is down, a background task probes the bucket (``HEAD`` bucket) with exponential backoff
+      (``retry_initial_s`` doubling up to ``retry_max_s``) and marks the tier up again on the first answer.
+      botocore's own retries are off, so a dead endpoint costs one failed call, not a retry storm.
+    - Expiry: bound the cache with lifecycle rules (e.g. expire objects under the prefix N days after
+      creation); ``delete`` (the server's evict) and ``clear`` remove objects here. ``clear`` lists the
+      prefix and deletes, 1,000 per request, the objects named like this tier's chunks (the prefix, then 64
+      hex digits): not another tier's chunks under a longer prefix, nor anything else.
+    - Removals S3 makes on its own (lifecycle expiry, another client's delete) are not pushed to the tier. As
+      the Redis tier does, it reports the removal of a chunk it reported stored (the last ``max_announced``)
+      when it next finds it missing (a ``contains``, a ``get_many`` or a ``delete``).
+    """
 
     def __init__(
         self,
