@@ -1,10 +1,12 @@
 """Cache servers and tiers for tests: a server in this event loop (``serving``), one on a loop in a thread
 for the synchronous client (``ThreadServer``), ``kvstack cache-server`` processes, a dict-backed shared
-tier, and a tier listener that records what it hears."""
+tier, a tier listener that records what it hears, and what the tier tests share: chunk keys and payloads,
+a disk tier's chunk-file path and files, and a count of its thread jobs."""
 
 from __future__ import annotations
 
 import asyncio
+import mmap
 import subprocess
 import sys
 import threading
@@ -15,10 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from blake3 import blake3
+
 from kvstack.cache import ChunkKey, TieredStore
 from kvstack.cache.client import CacheClient
 from kvstack.cache.server import CacheServer
-from kvstack.cache.tiers import MemoryTier, Payload, Tier, TierStats
+from kvstack.cache.tiers import DiskTier, MemoryTier, Payload, Tier, TierStats
 from support.ports import free_port
 from support.processes import kill_group, spawn, stop_group
 
@@ -199,3 +203,37 @@ class TierRecorder:
 
     def restored(self, tier: object, items: Sequence[tuple[ChunkKey, bytes]], done: bool) -> None:
         pass
+
+
+PAGE = mmap.PAGESIZE
+
+
+def key(i: int, ns: bytes = b"k") -> ChunkKey:
+    return ChunkKey(blake3(ns + str(i).encode()).digest())
+
+
+def payload(i: int, size: int) -> bytes:
+    return blake3(b"payload" + str(i).encode()).digest(length=size)
+
+
+def chunk_path(root: Path, k: ChunkKey) -> Path:
+    text = k.hex()
+    return root / text[:2] / f"{text}.kv"
+
+
+def files(root: Path, pattern: str) -> list[Path]:
+    return list(root.rglob(pattern))
+
+
+def counting_jobs(tier: DiskTier) -> list[int]:
+    """Count the tier's thread jobs: the returned list holds the count."""
+    pool = tier._pool
+    assert pool is not None
+    submit, jobs = pool.submit, [0]
+
+    def counting_submit(fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        jobs[0] += 1
+        return submit(fn, *args, **kwargs)
+
+    pool.submit = counting_submit  # type: ignore[method-assign]  # counts, then submits as before
+    return jobs
