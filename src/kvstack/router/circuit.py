@@ -3,8 +3,8 @@
 CLOSED: requests flow; ``failure_threshold`` consecutive failures (connect errors, timeouts, 5xx the
 proxy retries on) open the circuit. OPEN: the engine is not routable for ``open_seconds``. Then
 HALF_OPEN: exactly one probe request is let through; its success closes the circuit, its failure
-opens it again for the next delay of ``Backoff(open_seconds, max_open_seconds)`` (twice as long each
-time, up to ``max_open_seconds``). Client errors (4xx) never count: a bad request says nothing about the
+opens it again for twice as long (`kvstack.backoff`, from the current open time; up to
+``max_open_seconds``). Client errors (4xx) never count: a bad request says nothing about the
 engine. ``force_open`` takes a sibling worker's open time as its own place on that ladder.
 """
 
@@ -37,11 +37,6 @@ class CircuitBreaker:
         self._failures = 0
         self._opened_at = 0.0
         self._open_for = self.config.open_seconds
-        # Re-opens after failed probes; the first open is always open_seconds, even above the cap.
-        self._reopen = Backoff(
-            min(self.config.open_seconds, self.config.max_open_seconds), self.config.max_open_seconds
-        )
-        self._failed_probes = 0  # since the circuit last closed
         self._probe_in_flight = False
         self.on_open: Callable[[float], None] | None = None  # told the open time when this breaker trips
 
@@ -68,15 +63,14 @@ class CircuitBreaker:
         self._probe_in_flight = False
         if self._state is not CircuitState.CLOSED:
             self._state = CircuitState.CLOSED
-            self._failed_probes = 0
 
     def record_failure(self) -> None:
         self._failures += 1
         if self.state is CircuitState.HALF_OPEN:
-            self._failed_probes += 1
-            self._open(self._reopen.delay(self._failed_probes))
+            # The next rung of the ladder from the current open time (a sibling's, after force_open).
+            cap = self.config.max_open_seconds
+            self._open(Backoff(min(self._open_for, cap), cap).delay(1))
         elif self._state is CircuitState.CLOSED and self._failures >= self.config.failure_threshold:
-            self._failed_probes = 0
             self._open(self.config.open_seconds)
 
     def release_probe(self) -> None:
@@ -86,12 +80,6 @@ class CircuitBreaker:
     def force_open(self, seconds: float) -> None:
         """Open because another router process's breaker for this engine opened (no hook call)."""
         if self._state is not CircuitState.OPEN:
-            # The sibling's breaker (same config) is `rung` probes up the ladder; a failed probe here goes on
-            # from there.
-            rung = 0
-            while rung < 64 and self._reopen.delay(rung) < seconds:
-                rung += 1
-            self._failed_probes = rung
             self._open(seconds, notify=False)
 
     def _open(self, seconds: float, *, notify: bool = True) -> None:
