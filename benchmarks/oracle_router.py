@@ -38,7 +38,7 @@ import uvloop
 
 from kvstack.engines.discovery import parse_engine_spec
 from kvstack.engines.state import EngineState
-from kvstack.router.prefix import PrefixLookup
+from kvstack.frontend.prefix import PrefixLookup
 from kvstack.router.server import RouterOptions, running_router
 from kvstack.scheduling.interfaces import PrefixView
 

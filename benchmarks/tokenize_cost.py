@@ -29,9 +29,9 @@ from kvstack.devtools.tiny_model import make_tiny_model
 from kvstack.engines.prompt_tokens import ChatPrompt, PromptTokenizer
 from kvstack.engines.state import Endpoint, EngineState
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.frontend.prefix import PrefixLocator
 from kvstack.http.client import UpstreamPool
 from kvstack.index.prefix_index import Tier
-from kvstack.router.prefix import PrefixLocator
 from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig
 from kvstack.sim.textgen import OutputSampler

@@ -33,6 +33,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.server import CacheServer
 from kvstack.cache.tiers import DiskTier, MemoryTier
 from kvstack.cache.tiers.redis import RedisTier
+from kvstack.frontend.prefix import PrefixLocator
 from kvstack.kvevents.codec import (
     AllBlocksCleared,
     BlockRemoved,
@@ -41,7 +42,6 @@ from kvstack.kvevents.codec import (
     decode_batch,
     decode_seq,
 )
-from kvstack.router.prefix import PrefixLocator
 from support.cache import DictTier, serving
 
 CHUNK = 4  # support.cache.serving's chunk size

@@ -12,6 +12,8 @@ import zmq.asyncio
 
 from kvstack.backoff import Backoff
 from kvstack.engines.state import Endpoint
+from kvstack.frontend.kv_feeds import KVEventFeeds
+from kvstack.frontend.prefix import PrefixLocator
 from kvstack.http.client import UpstreamPool
 from kvstack.kvevents.codec import AllBlocksCleared, BlockStored, EventBatch
 from kvstack.kvevents.subscriber import (
@@ -22,8 +24,6 @@ from kvstack.kvevents.subscriber import (
     SeqVerdict,
     resolve_sources,
 )
-from kvstack.router.kv_feeds import KVEventFeeds
-from kvstack.router.prefix import PrefixLocator
 from support.kv_events import TIMEOUT, RecordingSink, ScriptedPublisher, following, subscribed
 from support.waiting import eventually
 

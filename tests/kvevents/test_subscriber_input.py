@@ -33,7 +33,7 @@ async def test_malformed_messages_are_counted_and_skipped(ctx: zmq.asyncio.Conte
 
 
 async def test_a_batch_the_sink_rejects_resets_and_the_stream_goes_on(ctx: zmq.asyncio.Context) -> None:
-    from kvstack.router.prefix import PrefixLocator
+    from kvstack.frontend.prefix import PrefixLocator
 
     pub = ScriptedPublisher(ctx, replay=False)
     locator = PrefixLocator()

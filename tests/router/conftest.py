@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 
 from kvstack.engines.state import Endpoint
+from kvstack.frontend.circuit import CircuitConfig
 from kvstack.router.app import RouterConfig
-from kvstack.router.circuit import CircuitConfig
 from kvstack.router.proxy import RetryPolicy
 from kvstack.router.server import RouterOptions, start_router
 from kvstack.sim.cluster import RunningEngine, stop_engine

@@ -6,8 +6,8 @@ import itertools
 import random
 
 from kvstack.engines.state import CircuitState
-from kvstack.router.app import _models_retry
-from kvstack.router.circuit import CircuitBreaker, CircuitConfig
+from kvstack.frontend.circuit import CircuitBreaker, CircuitConfig
+from kvstack.frontend.fleet import _models_retry
 from kvstack.router.proxy import RetryPolicy
 
 

@@ -12,8 +12,8 @@ from typing import Any
 import aiohttp
 import pytest
 
+from kvstack.frontend.circuit import CircuitConfig
 from kvstack.router.app import RouterConfig
-from kvstack.router.circuit import CircuitConfig
 from kvstack.router.proxy import Timeouts
 from kvstack.sim.cluster import stop_engine
 from support.end_to_end import (

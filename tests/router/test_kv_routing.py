@@ -328,9 +328,9 @@ def test_no_hit_lru_prefers_the_least_recently_used_for_cold_prompts_only() -> N
 
 
 async def test_cache_server_chunks_credit_engines_on_its_node() -> None:
+    from kvstack.frontend.kv_feeds import CacheEvents
     from kvstack.kvevents.codec import BlockStored
     from kvstack.kvevents.publisher import KVEventPublisher
-    from kvstack.router.kv_feeds import CacheEvents
 
     engines = await _sims(2, kv_events=True)
     chunk = 64
@@ -390,7 +390,7 @@ async def test_real_cache_server_events_reach_the_router() -> None:
     from kvstack.cache.client import AsyncCacheClient
     from kvstack.cache.server import CacheServer
     from kvstack.cache.tiers import MemoryTier
-    from kvstack.router.kv_feeds import CacheEvents
+    from kvstack.frontend.kv_feeds import CacheEvents
 
     chunk = 64
     engines = await _sims(2, kv_events=True)

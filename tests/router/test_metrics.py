@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvstack.router.metrics import (
+from kvstack.frontend.metrics import (
     ENGINE_SERIES,
     LATENCY_BUCKETS,
     LeanHotSeries,

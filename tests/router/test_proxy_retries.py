@@ -10,8 +10,8 @@ import aiohttp
 import pytest
 
 from kvstack.engines.state import Endpoint
+from kvstack.frontend.circuit import CircuitConfig
 from kvstack.router.app import RouterConfig
-from kvstack.router.circuit import CircuitConfig
 from kvstack.router.proxy import RetryPolicy, Timeouts
 from kvstack.sim.cluster import RunningEngine, stop_engine
 from support.routers import (

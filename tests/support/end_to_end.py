@@ -16,9 +16,9 @@ import aiohttp
 
 from kvstack.engines.state import Endpoint
 from kvstack.engines.tokenizer import load_tokenizer
+from kvstack.frontend.registry import EngineEntry
 from kvstack.openai.sse import SSEParser
 from kvstack.router.proxy import RetryPolicy
-from kvstack.router.registry import EngineEntry
 from kvstack.router.server import RouterOptions, RunningRouter, start_router
 from kvstack.sim.cluster import RunningEngine, SimOptions, start_engine, stop_engine
 from kvstack.sim.engine import EngineConfig

@@ -181,9 +181,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     from kvstack.engines.discovery import FileDiscovery, parse_engine_spec
+    from kvstack.frontend.circuit import CircuitConfig
+    from kvstack.frontend.kv_feeds import CacheEvents
     from kvstack.router.app import RouterConfig
-    from kvstack.router.circuit import CircuitConfig
-    from kvstack.router.kv_feeds import CacheEvents
     from kvstack.router.proxy import RetryPolicy, Timeouts
     from kvstack.router.server import RouterOptions, serve_forever
     from kvstack.scheduling import ConfigError

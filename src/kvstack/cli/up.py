@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kvstack.engines.state import Endpoint
     from kvstack.engines.tokenizer import load_tokenizer
-    from kvstack.router.kv_feeds import CacheEvents
+    from kvstack.frontend.kv_feeds import CacheEvents
     from kvstack.router.server import RouterOptions, running_router
     from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
     from kvstack.sim.engine import EngineConfig

@@ -18,9 +18,6 @@ client's value when it is at most 256 printable ASCII characters, else a generat
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import dataclasses
 import functools
 import hmac
 import logging
@@ -28,28 +25,25 @@ import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 
-from kvstack.backoff import Backoff, BackoffSequence
 from kvstack.engines.specs import EngineSpecError, build_endpoint
-from kvstack.engines.state import Endpoint, EngineState
-from kvstack.http.client import UpstreamError, UpstreamPool
+from kvstack.engines.state import Endpoint
+from kvstack.frontend.admission import AdmissionController, AdmissionRejected
+from kvstack.frontend.fleet import Fleet
+from kvstack.frontend.routing import Picker, RouteRequest, decode_json, parse_route
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
-from kvstack.router.admission import AdmissionController, AdmissionRejected
-from kvstack.router.metrics import RouterMetrics
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
-from kvstack.router.registry import EngineRegistry
 from kvstack.router.workers import WorkerGroup
-from kvstack.scheduling.interfaces import SESSION_HEADERS, extract_session_key
+from kvstack.scheduling.interfaces import SESSION_HEADERS
 
 log = logging.getLogger(__name__)
 
 Handler = Callable[[Request, Connection], Awaitable[Response | None]]
-_decode = msgspec.json.Decoder()
 _encode = msgspec.json.Encoder().encode
 
 FLUSH_HOT_SERIES = "flush-hot-series"  # worker control operation: write your request metrics now
@@ -64,36 +58,6 @@ PROXIED_PATHS = (
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
-MODELS_MAX_BYTES = 4 << 20  # /v1/models: a few hundred bytes per model or adapter
-MODELS_RETRY_MAX_S = 5.0  # an engine that never answered /v1/models is asked again at least this often
-
-
-@dataclass(frozen=True, slots=True)
-class RouteRequest:
-    """What routing needs from a request body; scheduling never sees the raw bytes."""
-
-    path: str
-    model: str | None
-    stream: bool
-    session_key: str | None
-    request_id: str
-    body: dict[str, Any]
-
-
-class EngineListener(Protocol):
-    """Told when engines join or leave (the KV-event subscribers follow the fleet this way)."""
-
-    def engine_added(self, endpoint: Endpoint) -> None: ...
-
-    def engine_removed(self, url: str) -> None: ...
-
-
-class Picker(Protocol):
-    """The scheduling entry point as the router uses it: candidates in preference order."""
-
-    async def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
-        """(profile name, engine URLs: the chosen one first, then fallbacks for retries)."""
-        ...
 
 
 @dataclass
@@ -102,8 +66,6 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     admin_key: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
-    models_refresh_s: float = 30.0
-    models_timeout_s: float = 2.0
     session_headers: tuple[str, ...] = SESSION_HEADERS  # tried in order, before the body's fields
 
 
@@ -111,37 +73,28 @@ class RouterApp:
     def __init__(
         self,
         config: RouterConfig,
-        registry: EngineRegistry,
+        fleet: Fleet,
         picker: Picker,
         proxy: Proxy,
         admission: AdmissionController,
-        metrics: RouterMetrics,
-        client: UpstreamPool,
         *,
-        expected_models: frozenset[str] = frozenset(),
-        extra_state: Callable[[EngineState], dict[str, Any]] | None = None,
-        listeners: Sequence[EngineListener] = (),
         group: WorkerGroup | None = None,
         on_metrics: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
-        self.registry = registry
+        self.fleet = fleet
+        self.registry = fleet.registry
+        self.metrics = fleet.metrics
         self.picker = picker
         self.proxy = proxy
         self.admission = admission
-        self.metrics = metrics
-        self.client = client
-        self.expected_models = expected_models
-        self.extra_state = extra_state
-        self.listeners = tuple(listeners)
         self.group = group
         self._worker_index = "" if group is None else str(group.index)
-        self.on_metrics = on_metrics  # refreshes gauges read from other objects, before /metrics renders
+        self.on_metrics = on_metrics  # refreshes gauges read from other objects (FrontEnd.refresh_gauges)
         if group is not None:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
                 group.on(op, self.apply_internal)
             group.on(FLUSH_HOT_SERIES, lambda op, body: self.metrics.flush_hot())
-        self._model_tasks: dict[str, asyncio.Task[None]] = {}
         self._routes: dict[str, dict[str, Handler]] = {path: {"POST": self.proxied} for path in PROXIED_PATHS}
         self._routes.update(
             {
@@ -163,11 +116,7 @@ class RouterApp:
         return HttpServer(self.handle, max_body=self.config.max_body_bytes, default_headers=default_headers)
 
     async def close(self) -> None:
-        for task in self._model_tasks.values():
-            task.cancel()
-        for task in self._model_tasks.values():
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        await self.fleet.close()
 
     async def handle(self, request: Request, conn: Connection) -> Response | None:
         """Every request: route by path and method, check keys, answer errors in OpenAI JSON."""
@@ -205,64 +154,10 @@ class RouterApp:
 
     # -- engine bookkeeping --------------------------------------------------------------------------
     def add_engine(self, endpoint: Endpoint) -> None:
-        """Add or update an engine. Models it names are kept as given (an operator may limit an engine to
-        some of its models, or route an alias); models it does not name are learned from its /v1/models."""
-        configured = bool(endpoint.models)
-        existing = self.registry.get(endpoint.url)
-        if existing is not None and not endpoint.models and existing.state.endpoint.models:
-            endpoint = _replace_models(endpoint, existing.state.endpoint.models)
-        entry = self.registry.upsert(endpoint)
-        self.metrics.engine_added(endpoint.url)
-        self.metrics.set_circuit(endpoint.url, entry.breaker.state)
-        for listener in self.listeners:
-            listener.engine_added(endpoint)
-        task = self._model_tasks.get(endpoint.url)
-        if configured:
-            if task is not None:
-                del self._model_tasks[endpoint.url]
-                task.cancel()
-        elif task is None:
-            self._model_tasks[endpoint.url] = asyncio.get_running_loop().create_task(
-                self._refresh_models(endpoint.url)
-            )
+        self.fleet.add_engine(endpoint)
 
     def remove_engine(self, url: str) -> bool:
-        task = self._model_tasks.pop(url, None)
-        if task is not None:
-            task.cancel()
-        removed = self.registry.remove(url) is not None
-        if removed:
-            self.metrics.forget_engine(url)
-            for listener in self.listeners:
-                listener.engine_removed(url)
-        return removed
-
-    async def _refresh_models(self, url: str) -> None:
-        """Learn an engine's served models from its /v1/models, quickly at first, then periodically."""
-        retry = _models_retry(0.2)
-        while True:
-            entry = self.registry.get(url)
-            if entry is None:
-                return
-            answered = False
-            try:
-                reply = await self.client.get(
-                    url, "/v1/models", within=self.config.models_timeout_s, max_bytes=MODELS_MAX_BYTES
-                )
-                if reply.status != 200:
-                    raise UpstreamError(f"answered HTTP {reply.status}")
-                models = frozenset(m["id"] for m in reply.json()["data"])
-                if models != entry.state.endpoint.models:
-                    self.registry.upsert(_replace_models(entry.state.endpoint, models))
-                answered = True
-            except (UpstreamError, ValueError, KeyError, TypeError, RecursionError) as exc:
-                log.debug("engine %s: /v1/models failed: %r", url, exc)
-            if answered or entry.state.endpoint.models:
-                delay = self.config.models_refresh_s
-                retry = _models_retry(delay)
-            else:
-                delay = retry.next()
-            await asyncio.sleep(delay)
+        return self.fleet.remove_engine(url)
 
     # -- handlers ----------------------------------------------------------------------------------
     async def health(self, request: Request, conn: Connection) -> Response:
@@ -272,23 +167,10 @@ class RouterApp:
         return _json(body)
 
     async def ready(self, request: Request, conn: Connection) -> Response:
-        states = self.registry.states()
-        models = set(self.expected_models) or {m for s in states for m in s.endpoint.models}
-        detail = {}
-        for model in sorted(models):
-            routable = [s.url for s in states if model in s.endpoint.models and s.routable]
-            detail[model] = {"routable_engines": routable}
-        ok = bool(models) and all(d["routable_engines"] for d in detail.values())
-        body = {"ready": ok, "models": detail, "engines": len(states)}
+        ok, body = self.fleet.readiness()
         return _json(body, status=200 if ok else 503)
 
     async def prometheus(self, request: Request, conn: Connection) -> Response:
-        states = self.registry.states()
-        for s in states:
-            self.metrics.set_circuit(s.url, s.circuit)
-        self.metrics.engines.labels(state="routable").set(sum(1 for s in states if s.routable))
-        self.metrics.engines.labels(state="unroutable").set(sum(1 for s in states if not s.routable))
-        self.metrics.queue_depth.set(self.admission.queued)
         if self.on_metrics is not None:
             self.on_metrics()
         if self.group is not None:
@@ -297,46 +179,10 @@ class RouterApp:
         return Response(200, self.metrics.render(), [("Content-Type", "text/plain; charset=utf-8")])
 
     async def models(self, request: Request, conn: Connection) -> Response:
-        now = int(time.time())
-        data = [
-            {"id": m, "object": "model", "created": now, "owned_by": "kvstack"}
-            for m in sorted(self.registry.models())
-        ]
-        return _json({"object": "list", "data": data})
+        return _json(self.fleet.models_list())
 
     async def engines(self, request: Request, conn: Connection) -> Response:
-        out = []
-        now = time.monotonic()
-        for s in self.registry.states():
-            reading = s.metrics
-            item: dict[str, Any] = {
-                "url": s.url,
-                "type": s.endpoint.engine_type,
-                "role": s.endpoint.role.value,
-                "models": sorted(s.endpoint.models),
-                "routable": s.routable,
-                "healthy": s.healthy,
-                "draining": s.draining,
-                "circuit": s.circuit.value,
-                "in_flight": s.total_in_flight,
-                "in_flight_this_worker": s.in_flight,
-                "metrics": None
-                if reading is None
-                else {
-                    "age_seconds": round(reading.age(now), 3),
-                    "stale": s.metrics_stale,
-                    "queue": reading.signals.queue,
-                    "running": reading.signals.running,
-                    "kv_usage": reading.signals.kv_usage,
-                    "missing": sorted(reading.missing),
-                    "aliases_used": [list(a) for a in reading.aliases_used],
-                },
-                "routing_knowledge": s.knowledge,
-            }
-            if self.extra_state is not None:
-                item.update(self.extra_state(s))
-            out.append(item)
-        body: dict[str, Any] = {"engines": out}
+        body: dict[str, Any] = {"engines": self.fleet.engines_detail()}
         if self.group is not None:
             body["worker"] = {"index": self.group.index, "count": self.group.count}
         return _json(body)
@@ -450,25 +296,9 @@ class RouterApp:
         return None
 
     def _parse(self, request: Request, raw: bytes, request_id: str) -> RouteRequest:
-        content_type = (request.headers.get("Content-Type") or "").split(";")[0].strip().lower()
-        if content_type and content_type != "application/json":
-            raise errors.unsupported_media_type()
-        body = _decode_json(raw, "request body is not valid JSON")
-        if not isinstance(body, dict):
-            raise errors.bad_request("request body must be a JSON object", "body")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise errors.bad_request("model must be a string", "model")
-        known = self.registry.models()
-        if model is None and len(known) > 1:
-            raise errors.bad_request(f"model is required: this router serves {sorted(known)}", "model")
-        if model is not None and self.registry.all_models_known() and model not in known:
-            raise errors.not_found_model(model, sorted(known))
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise errors.bad_request("stream must be a boolean", "stream")
-        session = extract_session_key(request.headers, body, self.config.session_headers)
-        return RouteRequest(request.path, model, stream, session, request_id, body)
+        return parse_route(
+            request.path, request.headers, raw, request_id, self.registry, self.config.session_headers
+        )
 
     async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
         # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
@@ -515,15 +345,6 @@ def _warn_kv_events_alias() -> None:
     log.warning("POST /admin/engines: %s is deprecated; send kv_events instead", KV_EVENTS_ALIAS)
 
 
-def _models_retry(after: float) -> BackoffSequence:
-    """Retries of an engine with no models yet: doubling from ``after`` s, up to ``MODELS_RETRY_MAX_S``."""
-    return Backoff(min(2 * after, MODELS_RETRY_MAX_S), MODELS_RETRY_MAX_S).sequence()
-
-
-def _replace_models(endpoint: Endpoint, models: frozenset[str]) -> Endpoint:
-    return dataclasses.replace(endpoint, models=models)
-
-
 def _bearer_matches(request: Request, keys: set[str] | frozenset[str]) -> bool:
     header = request.headers.get("Authorization", "")
     if not header.startswith("Bearer "):
@@ -540,18 +361,8 @@ def _request_id(request: Request) -> str:
     return f"kvs-{secrets.token_hex(12)}"
 
 
-def _decode_json(raw: bytes, what: str) -> Any:
-    """``raw`` decoded; a 400 starting with ``what`` when it is not JSON."""
-    try:
-        return _decode.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise errors.bad_request(f"{what}: {exc}", "body") from None
-    except RecursionError:
-        raise errors.bad_request(f"{what}: nested too deeply", "body") from None
-
-
 def _json_object(request: Request) -> dict[str, Any]:
-    body = _decode_json(request.body, "body must be JSON")
+    body = decode_json(request.body, "body must be JSON")
     if not isinstance(body, dict):
         raise errors.bad_request("body must be a JSON object", "body")
     return body

@@ -28,13 +28,13 @@ from typing import Literal
 import msgspec
 
 from kvstack.backoff import Backoff
+from kvstack.frontend.metrics import RouterMetrics
+from kvstack.frontend.registry import EngineEntry, EngineRegistry
 from kvstack.http.client import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
 from kvstack.http.server import Connection
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.openai.sse import DONE, encode_error_event
-from kvstack.router.metrics import RouterMetrics
-from kvstack.router.registry import EngineEntry, EngineRegistry
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,6 @@
-"""The router's own Prometheus metrics. All names start with ``kvstack_`` and carry their unit; none reuses
-an engine's ``vllm:`` name, so engine and router series never mix on one dashboard.
+"""The front ends' own Prometheus metrics (the proxy's and the Envoy picker's). All names start with
+``kvstack_`` and carry their unit; none reuses an engine's ``vllm:`` name, so engine and front-end series
+never mix on one dashboard.
 
 With several worker processes (``--workers``) /metrics on any worker renders every worker's values, counters
 and histograms summed: prometheus_client runs in multiprocess mode (the supervisor sets

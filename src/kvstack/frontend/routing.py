@@ -1,7 +1,11 @@
-"""The router's side of scheduling: turn a parsed request into a ``SchedulingRequest`` (tokenizing the
-prompt and looking up its cached prefix when the config's plugins need it), run the scheduler over every
-known engine, and map "nowhere to send it" to OpenAI errors (404 when no engine serves the model, 503
-when engines serve it but none is routable now).
+"""The one scheduling entry point behind both front ends (the proxy and the Envoy picker).
+
+``parse_route`` reads what routing needs from an OpenAI request (model, stream, session key, the body for
+the prompt) and refuses bad bodies with OpenAI errors (400, or 404 for a model no engine serves).
+``SchedulerPicker.pick`` turns it into a ``SchedulingRequest`` (tokenizing the prompt and looking up its
+cached prefix when the config's plugins need it), runs the scheduler over every known engine, and maps
+"nowhere to send it" to OpenAI errors (404 when no engine serves the model, 503 when engines serve it but
+none is routable now).
 
 With ``kv_scheduler`` set (routing "auto"), requests use it whenever some engine publishes KV events and
 the plain scheduler otherwise, so adding an engine with events switches a fleet to KV-aware routing.
@@ -13,16 +17,83 @@ an adapter's blocks are credited only to its requests, and a salted request gets
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgspec
 
 from kvstack.engines.prompt_tokens import PromptTokenizer, prompt_of
 from kvstack.engines.state import EngineState
+from kvstack.frontend.prefix import PrefixLookup, PrefixSource
+from kvstack.frontend.registry import EngineRegistry
 from kvstack.openai import errors
-from kvstack.router.prefix import PrefixLookup, PrefixSource
 from kvstack.scheduling import NoEndpointError, NoEndpointReason, Scheduler, SchedulingRequest
+from kvstack.scheduling.interfaces import SESSION_HEADERS, extract_session_key
 
-if TYPE_CHECKING:
-    from kvstack.router.app import RouteRequest
+_decode = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What routing needs from a request body; scheduling never sees the raw bytes."""
+
+    path: str
+    model: str | None
+    stream: bool
+    session_key: str | None
+    request_id: str
+    body: dict[str, Any]
+
+
+def decode_json(raw: bytes, what: str) -> Any:
+    """``raw`` decoded; a 400 starting with ``what`` when it is not JSON."""
+    try:
+        return _decode.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise errors.bad_request(f"{what}: {exc}", "body") from None
+    except RecursionError:
+        raise errors.bad_request(f"{what}: nested too deeply", "body") from None
+
+
+def parse_route(
+    path: str,
+    headers: Mapping[str, str],
+    raw: bytes,
+    request_id: str,
+    registry: EngineRegistry,
+    session_headers: Sequence[str] = SESSION_HEADERS,
+) -> RouteRequest:
+    """The routing view of an OpenAI request; ``headers`` case-insensitive or lower-cased. Raises
+    OpenAIError: 400 (not JSON, bad body, model missing while several are served), 404 (unknown
+    model)."""
+    content_type = (headers.get("content-type") or "").split(";")[0].strip().lower()
+    if content_type and content_type != "application/json":
+        raise errors.unsupported_media_type()
+    body = decode_json(raw, "request body is not valid JSON")
+    if not isinstance(body, dict):
+        raise errors.bad_request("request body must be a JSON object", "body")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise errors.bad_request("model must be a string", "model")
+    known = registry.models()
+    if model is None and len(known) > 1:
+        raise errors.bad_request(f"model is required: this router serves {sorted(known)}", "model")
+    if model is not None and registry.all_models_known() and model not in known:
+        raise errors.not_found_model(model, sorted(known))
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise errors.bad_request("stream must be a boolean", "stream")
+    session = extract_session_key(headers, body, session_headers)
+    return RouteRequest(path, model, stream, session, request_id, body)
+
+
+class Picker(Protocol):
+    """The scheduling entry point as a front end uses it: candidates in preference order."""
+
+    async def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
+        """(profile name, engine URLs: the chosen one first, then fallbacks for retries)."""
+        ...
 
 
 class SchedulerPicker:

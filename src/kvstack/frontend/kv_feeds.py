@@ -19,6 +19,7 @@ import zmq.asyncio
 
 from kvstack.backoff import Backoff
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.frontend.prefix import PrefixLocator
 from kvstack.http.client import UpstreamError, UpstreamPool
 from kvstack.kvevents.subscriber import (
     RESOLVE_BACKOFF,
@@ -27,7 +28,6 @@ from kvstack.kvevents.subscriber import (
     KVEventSubscriber,
     resolve_sources,
 )
-from kvstack.router.prefix import PrefixLocator
 
 log = logging.getLogger(__name__)
 

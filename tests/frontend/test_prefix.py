@@ -1,4 +1,4 @@
-"""The router's prefix locator (kvstack.router.prefix): LoRA adapters and cache salts, cache-server chunks
+"""The router's prefix locator (kvstack.frontend.prefix): LoRA adapters and cache salts, cache-server chunks
 credited only to their model, one block size per engine that odd events cannot switch, a bounded keyer
 cache. Events are built as vLLM 0.32 sends them and go through the wire codec before the locator sees
 them."""
@@ -15,6 +15,8 @@ from kvstack.cache.keys import KVLayout, chunk_keys
 from kvstack.cache.tiers import DiskTier
 from kvstack.engines.prompt_tokens import PromptTokenizer
 from kvstack.engines.state import Endpoint, EngineState
+from kvstack.frontend.prefix import PrefixLocator
+from kvstack.frontend.routing import RouteRequest, SchedulerPicker
 from kvstack.kvevents.codec import (
     MODEL_EXTRA_KEY,
     BlockRemoved,
@@ -23,9 +25,6 @@ from kvstack.kvevents.codec import (
     decode_batch,
     encode_batch,
 )
-from kvstack.router.app import RouteRequest
-from kvstack.router.prefix import PrefixLocator
-from kvstack.router.routing import SchedulerPicker
 from kvstack.scheduling import build_scheduler, load_routing
 
 TOKENS = list(range(1000, 1064))  # 4 blocks of 16

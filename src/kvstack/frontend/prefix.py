@@ -1,4 +1,4 @@
-"""The router's prefix knowledge: the index fed by KV events, its own routing history, and the per-request
+"""A front end's prefix knowledge: the index fed by KV events, its own routing history, and the per-request
 lookup that turns both into the ``PrefixView`` scheduling reads.
 
 - Events (``apply``/``reset``, the subscribers' `KVEventSink`): a ``BlockStored`` is keyed by kvstack's

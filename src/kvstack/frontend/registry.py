@@ -1,4 +1,4 @@
-"""The router's table of engines: ``EngineState`` plus the circuit breaker of each, keyed by URL.
+"""A front end's table of engines: ``EngineState`` plus the circuit breaker of each, keyed by URL.
 
 Discovery adds and removes entries; admin endpoints drain them; the proxy updates in-flight counts and
 breaker outcomes; scheduling reads ``states()``. A removed engine's in-flight requests finish normally.
@@ -16,16 +16,26 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from kvstack.engines.state import Endpoint, EngineState
-from kvstack.router.circuit import CircuitBreaker, CircuitConfig
-from kvstack.router.workers import SharedInFlight
+from kvstack.frontend.circuit import CircuitBreaker, CircuitConfig
 
 log = logging.getLogger(__name__)
 
 # Send times kept per engine for least-QPS scoring; older ones are dropped.
 RECENT_WINDOW_S = 10.0
 RECENT_MAX = 4096
+
+
+class InFlightTable(Protocol):
+    """In-flight counts shared between processes of one front end (the router's worker table)."""
+
+    def slot(self, url: str) -> int: ...
+
+    def set_local(self, slot: int, value: int) -> None: ...
+
+    def others(self, slot: int) -> int: ...
 
 
 @dataclass
@@ -41,7 +51,7 @@ class EngineRegistry:
         self,
         circuit: CircuitConfig | None = None,
         *,
-        shared_in_flight: SharedInFlight | None = None,
+        shared_in_flight: InFlightTable | None = None,
         on_circuit_open: Callable[[str, float], None] | None = None,
     ) -> None:
         """``shared_in_flight``: the worker group's table (several router processes); ``on_circuit_open``
