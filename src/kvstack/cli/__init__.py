@@ -1,10 +1,11 @@
 """The ``kvstack`` command: the composition root that builds every object from flags.
 
-Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``up`` (a local stack: simulated engines, a KV
-cache server and the router), ``cache-server``, ``bench``, ``model make-tiny`` (a dummy-weight model directory
-that real vLLM and the simulator both serve), ``version``. Each lives in its own module (``kvstack.cli.sim``,
-``.router``, ``.up``, ``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run
-function; this module assembles the parser and dispatches.
+Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``epp`` (Envoy's endpoint picker), ``up`` (a local
+stack: simulated engines, a KV cache server and a front end), ``cache-server``, ``bench``, ``model make-tiny``
+(a dummy-weight model directory that real vLLM and the simulator both serve), ``version``. Each lives in its
+own module (``kvstack.cli.sim``, ``.router``, ``.epp``, ``.up``, ``.model``; ``kvstack.cache.cli``,
+``kvstack.bench.cli``) with its parser and its run function; the flags both front ends take are in
+``.front_end``. This module assembles the parser and dispatches.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
 from kvstack.cache.cli import add_cache_server_parser, run_cache_server
-from kvstack.cli import model, router, sim, up
+from kvstack.cli import epp, model, router, sim, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sim.add_parser(sub)
     router.add_parser(sub)
+    epp.add_parser(sub)
     up.add_parser(sub)
     add_bench_parser(sub)
     add_cache_server_parser(sub)
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     if args.command == "router":
         return router.run(args, list(sys.argv[1:] if argv is None else argv))
+    if args.command == "epp":
+        return epp.run(args)
     if args.command == "up":
         return up.run(args)
     return sim.run(args)

@@ -1,0 +1,186 @@
+"""The ext_proc messages of the endpoint picker protocol, read and built (protos from ``xds-protos``).
+
+- Reading: request and response headers as a lower-cased dict (Envoy sends values in ``raw_value``; older
+  Envoys in ``value``), the subset hint (``envoy.lb.subset_hint`` →
+  ``x-gateway-destination-endpoint-subset``), the served endpoint (``envoy.lb`` →
+  ``x-gateway-destination-endpoint-served``).
+- Building: the pick as the ``x-gateway-destination-endpoint`` header (overwritten, route cache cleared) and
+  the same value in ``envoy.lb`` dynamic metadata; CONTINUE answers for every phase; an ImmediateResponse
+  carrying an OpenAI error as JSON.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from google.protobuf.struct_pb2 import Struct
+
+from kvstack.openai.errors import OpenAIError
+
+DESTINATION = "x-gateway-destination-endpoint"
+SERVED = "x-gateway-destination-endpoint-served"
+SUBSET = "x-gateway-destination-endpoint-subset"
+LB_NAMESPACE = "envoy.lb"
+SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+
+ProcessingRequest = pb.ProcessingRequest
+ProcessingResponse = pb.ProcessingResponse
+
+_OVERWRITE = HeaderValueOption.HeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def header_dict(headers: pb.HttpHeaders) -> dict[str, str]:
+    """The headers of a headers message, names lower-cased; a repeated name keeps its first value."""
+    out: dict[str, str] = {}
+    for h in headers.headers.headers:
+        key = h.key.lower()
+        if key not in out:
+            out[key] = h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+    return out
+
+
+def subset_hint(request: pb.ProcessingRequest) -> list[str] | None:
+    """The endpoints Envoy allows (``ip:port``), or None when it set no subset hint."""
+    namespaces = request.metadata_context.filter_metadata
+    if SUBSET_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[SUBSET_NAMESPACE].fields
+    if SUBSET not in fields:
+        return None
+    value = fields[SUBSET]
+    kind = value.WhichOneof("kind")
+    if kind == "list_value":
+        return [v.string_value for v in value.list_value.values if v.string_value]
+    if kind == "string_value":
+        return [a.strip() for a in value.string_value.split(",") if a.strip()]
+    return []
+
+
+def served_endpoint(request: pb.ProcessingRequest) -> str | None:
+    """The endpoint that served the request, as Envoy reports it on the response (None when absent)."""
+    namespaces = request.metadata_context.filter_metadata
+    if LB_NAMESPACE not in namespaces:
+        return None
+    fields = namespaces[LB_NAMESPACE].fields
+    if SERVED not in fields:
+        return None
+    value = fields[SERVED]
+    if value.WhichOneof("kind") == "list_value":
+        items = [v.string_value for v in value.list_value.values if v.string_value]
+        return items[-1] if items else None
+    return value.string_value or None
+
+
+def _set_headers(mutation: pb.HeaderMutation, headers: Iterable[tuple[str, str]]) -> None:
+    for name, value in headers:
+        mutation.set_headers.append(
+            HeaderValueOption(
+                header=HeaderValue(key=name, raw_value=value.encode()), append_action=_OVERWRITE
+            )
+        )
+
+
+def _destination_metadata(response: pb.ProcessingResponse, value: str) -> None:
+    lb = Struct()
+    lb.fields[DESTINATION].string_value = value
+    response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.CopyFrom(lb)
+
+
+def route_on_headers(
+    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = ()
+) -> pb.ProcessingResponse:
+    """The answer to the request headers naming the destination (pick first, then fallbacks)."""
+    value = ",".join(addresses)
+    response = pb.ProcessingResponse()
+    common = response.request_headers.response
+    common.clear_route_cache = True
+    _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
+    _destination_metadata(response, value)
+    return response
+
+
+def route_on_body(addresses: Sequence[str], extra: Iterable[tuple[str, str]] = ()) -> pb.ProcessingResponse:
+    """The answer to a buffered request body naming the destination (the headers are still held)."""
+    value = ",".join(addresses)
+    response = pb.ProcessingResponse()
+    common = response.request_body.response
+    common.clear_route_cache = True
+    _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
+    _destination_metadata(response, value)
+    return response
+
+
+def streamed_body(body: bytes) -> pb.ProcessingResponse:
+    """The whole request body, sent back in full-duplex streamed mode."""
+    response = pb.ProcessingResponse()
+    streamed = response.request_body.response.body_mutation.streamed_response
+    streamed.body = body
+    streamed.end_of_stream = True
+    return response
+
+
+def continue_request_headers() -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.request_headers.SetInParent()
+    return response
+
+
+def continue_request_body() -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.request_body.SetInParent()
+    return response
+
+
+def continue_response_headers() -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.response_headers.SetInParent()
+    return response
+
+
+def continue_response_body() -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    response.response_body.SetInParent()
+    return response
+
+
+def continue_trailers(request: pb.ProcessingRequest) -> pb.ProcessingResponse:
+    response = pb.ProcessingResponse()
+    if request.HasField("request_trailers"):
+        response.request_trailers.SetInParent()
+    else:
+        response.response_trailers.SetInParent()
+    return response
+
+
+def immediate_error(err: OpenAIError, headers: Iterable[tuple[str, str]] = ()) -> pb.ProcessingResponse:
+    """Answer the client directly with ``err`` as OpenAI error JSON (503 no endpoint, 429 shed, 400 ...)."""
+    response = pb.ProcessingResponse()
+    immediate = response.immediate_response
+    immediate.status.code = err.status  # HttpStatus codes are the HTTP status numbers
+    immediate.body = err.to_json()
+    immediate.details = f"kvstack_epp_{err.status}"
+    _set_headers(immediate.headers, [("content-type", "application/json"), *headers])
+    return response
+
+
+__all__ = [
+    "DESTINATION",
+    "SERVED",
+    "SUBSET",
+    "ProcessingRequest",
+    "ProcessingResponse",
+    "continue_request_body",
+    "continue_request_headers",
+    "continue_response_body",
+    "continue_response_headers",
+    "continue_trailers",
+    "header_dict",
+    "immediate_error",
+    "route_on_body",
+    "route_on_headers",
+    "served_endpoint",
+    "streamed_body",
+    "subset_hint",
+]

@@ -1,0 +1,302 @@
+"""The endpoint picker: one `PickerStream` per ext_proc stream (one HTTP request through Envoy).
+
+Request phase, by the body mode Envoy announces (``protocol_config``; BUFFERED when absent):
+- BUFFERED: the headers are answered CONTINUE; the whole body arrives in one message, and its answer carries
+  the destination (header mutation plus ``envoy.lb`` metadata, route cache cleared).
+- STREAMED (with ``send_body_without_waiting_for_header_response``) and FULL_DUPLEX_STREAMED: chunks are
+  gathered up to ``max_body_bytes``; at the last one the headers answer carries the destination, then each
+  chunk is answered (full duplex: the whole body is sent back as one streamed mutation).
+- No body (a GET): the destination goes on the headers answer.
+The decision is `frontend.routing`'s, the same as the proxy's: parse (400/404 as OpenAI JSON), admission
+(429 when shed), scheduling over the engines in Envoy's subset hint when it sends one (503 when none is
+eligible). The header lists the pick and then up to ``fallbacks`` other engines for Envoy's retries.
+
+Response phase: ``:status`` and the served endpoint (``x-gateway-destination-endpoint-served``; a fallback
+when Envoy retried) settle the circuit breakers and the request metrics; the time to the response headers is
+the time to first byte. The request counts as in flight on its engine, and holds its admission slot, until
+the stream ends (``close``), whatever ended it.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from urllib.parse import urlsplit
+
+from kvstack.epp import messages as m
+from kvstack.frontend.admission import AdmissionRejected
+from kvstack.frontend.assembly import FrontEnd
+from kvstack.frontend.registry import EngineEntry
+from kvstack.frontend.routing import RouteRequest, parse_route
+from kvstack.openai import errors
+from kvstack.openai.errors import OpenAIError
+from kvstack.scheduling.interfaces import SESSION_HEADERS
+
+BUFFERED, STREAMED, FULL_DUPLEX = 2, 1, 4  # ProcessingMode.BodySendMode values
+REQUEST_ID_MAX = 256
+
+
+@dataclass
+class PickerConfig:
+    max_body_bytes: int = 32 * 1024 * 1024
+    fallbacks: int = 2  # engines after the pick in the destination header
+    session_headers: tuple[str, ...] = SESSION_HEADERS
+
+
+class EndpointPicker:
+    """Decisions for Envoy, on the shared front end."""
+
+    def __init__(self, front: FrontEnd, config: PickerConfig | None = None) -> None:
+        self.front = front
+        self.config = config or PickerConfig()
+        self._addresses: dict[str, str] = {}  # engine URL -> ip:port
+        self.streams = 0  # open ext_proc streams
+
+    def stream(self) -> PickerStream:
+        return PickerStream(self)
+
+    def address(self, url: str) -> str:
+        """An engine's ``host:port`` as Envoy's original-destination cluster takes it."""
+        found = self._addresses.get(url)
+        if found is None:
+            parts = urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            host = parts.hostname or ""
+            found = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            if len(self._addresses) > 65536:
+                self._addresses.clear()
+            self._addresses[url] = found
+        return found
+
+    async def decide(self, request: PendingRequest) -> tuple[EngineEntry, list[str]]:
+        """(the chosen engine's entry, destination addresses: pick first). Raises OpenAIError."""
+        front = self.front
+        states = front.registry.states()
+        if request.subset is not None:
+            allowed = set(request.subset)
+            states = [s for s in states if self.address(s.url) in allowed]
+            if not states:
+                raise errors.service_unavailable("no engine of the endpoint subset Envoy allows is known")
+        route = request.route
+        if route is None:
+            route = RouteRequest(request.path, None, False, None, request.request_id, {})
+        profile, candidates = await front.picker.pick(route, states)
+        entry = _first_allowed(front, candidates)
+        front.metrics.decision(profile, entry.state.url)
+        chosen = [entry.state.url, *(u for u in candidates if u != entry.state.url)]
+        return entry, [self.address(u) for u in chosen[: 1 + self.config.fallbacks]]
+
+
+def _first_allowed(front: FrontEnd, candidates: list[str]) -> EngineEntry:
+    """The first candidate whose circuit lets a request through (a half-open circuit lets one probe)."""
+    for url in candidates:
+        entry = front.registry.get(url)
+        if entry is not None and entry.breaker.allow():
+            return entry
+    raise errors.service_unavailable("no engine can take the request now (circuits open)")
+
+
+@dataclass
+class PendingRequest:
+    path: str
+    method: str
+    headers: dict[str, str]
+    request_id: str
+    subset: list[str] | None
+    route: RouteRequest | None = None
+    chunks: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+
+class PickerStream:
+    """One ext_proc stream: see the module docstring."""
+
+    def __init__(self, picker: EndpointPicker) -> None:
+        self.picker = picker
+        picker.streams += 1
+        self.started = time.monotonic()
+        self.mode = BUFFERED
+        self.pending: PendingRequest | None = None
+        self.entry: EngineEntry | None = None
+        self.addresses: list[str] = []
+        self.model_label = "other"
+        self.admitted = False
+        self.status = 0  # the client's status: Envoy's response, or our immediate answer
+        self.first_byte_at: float | None = None
+        self.closed = False
+
+    async def handle(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
+        """The answers to one message from Envoy (none while gathering a streamed body)."""
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            return await self._request_headers(request)
+        if kind == "request_body":
+            return await self._request_body(request)
+        if kind == "response_headers":
+            self._response_headers(request)
+            return [m.continue_response_headers()]
+        if kind == "response_body":
+            return [m.continue_response_body()]
+        return [m.continue_trailers(request)]
+
+    async def _request_headers(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
+        if request.HasField("protocol_config"):
+            config = request.protocol_config
+            mode = config.request_body_mode
+            if mode == FULL_DUPLEX or (
+                mode == STREAMED and config.send_body_without_waiting_for_header_response
+            ):
+                self.mode = mode
+        message = request.request_headers
+        headers = m.header_dict(message)
+        pending = self.pending = PendingRequest(
+            path=headers.get(":path", "/").split("?", 1)[0],
+            method=headers.get(":method", "GET"),
+            headers=headers,
+            request_id=_request_id(headers),
+            subset=m.subset_hint(request),
+        )
+        if message.end_of_stream:
+            return [await self._route(pending, on_body=False)]
+        if self.mode == BUFFERED:
+            return [m.continue_request_headers()]
+        return []
+
+    async def _request_body(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
+        pending = self.pending
+        if pending is None:
+            return [m.immediate_error(errors.bad_request("request body before its headers"))]
+        body = request.request_body
+        pending.chunks.append(body.body)
+        pending.size += len(body.body)
+        if pending.size > self.picker.config.max_body_bytes:
+            limit = self.picker.config.max_body_bytes
+            return [self._refuse(errors.http_detail(413, f"request body is larger than {limit} bytes"))]
+        if not (body.end_of_stream or body.end_of_stream_without_message):
+            return [] if self.mode != BUFFERED else [m.continue_request_body()]
+        raw = b"".join(pending.chunks)
+        try:
+            pending.route = parse_route(
+                pending.path,
+                pending.headers,
+                raw,
+                pending.request_id,
+                self.picker.front.registry,
+                self.picker.config.session_headers,
+            )
+        except OpenAIError as err:
+            return [self._refuse(err)]
+        if pending.route.model in self.picker.front.registry.models():
+            self.model_label = pending.route.model or "other"
+        if self.mode == BUFFERED:
+            return [await self._route(pending, on_body=True)]
+        answer = await self._route(pending, on_body=False)
+        if answer.HasField("immediate_response"):
+            return [answer]
+        if self.mode == FULL_DUPLEX:
+            return [answer, m.streamed_body(raw)]
+        return [answer, *(m.continue_request_body() for _ in pending.chunks)]
+
+    async def _route(self, pending: PendingRequest, *, on_body: bool) -> m.ProcessingResponse:
+        picker = self.picker
+        admission = picker.front.admission
+        try:
+            await admission.acquire()
+        except AdmissionRejected as rej:
+            picker.front.metrics.admission_rejections.labels(reason=rej.reason).inc()
+            err = errors.rate_limited(f"picker is at capacity ({rej.reason}); retry later")
+            return self._refuse(err, [("retry-after", rej.retry_after_header)])
+        self.admitted = True
+        try:
+            entry, addresses = await picker.decide(pending)
+        except OpenAIError as err:
+            return self._refuse(err)
+        self._start(entry, addresses)
+        extra = [("x-request-id", pending.request_id)]
+        return m.route_on_body(addresses, extra) if on_body else m.route_on_headers(addresses, extra)
+
+    def _start(self, entry: EngineEntry, addresses: list[str]) -> None:
+        registry = self.picker.front.registry
+        state = entry.state
+        state.in_flight += 1
+        registry.publish_in_flight(entry)
+        registry.note_sent(state, time.monotonic())
+        self.picker.front.metrics.engine_in_flight(state.url).set(state.in_flight)
+        self.entry = entry
+        self.addresses = addresses
+
+    def _refuse(self, err: OpenAIError, headers: list[tuple[str, str]] | None = None) -> m.ProcessingResponse:
+        self.status = err.status
+        request_id = self.pending.request_id if self.pending is not None else _request_id({})
+        return m.immediate_error(err, [*(headers or []), ("x-request-id", request_id)])
+
+    def _response_headers(self, request: m.ProcessingRequest) -> None:
+        self.first_byte_at = time.monotonic()
+        headers = m.header_dict(request.response_headers)
+        try:
+            self.status = int(headers.get(":status", "0"))
+        except ValueError:
+            self.status = 0
+        served = m.served_endpoint(request)
+        if self.entry is None or served is None or not self.addresses or served == self.addresses[0]:
+            return
+        # Envoy retried: the pick failed before answering, and another engine served the request.
+        self._settle(self.entry, False)
+        replacement = self._entry_at(served)
+        if replacement is not None:
+            self._finish_in_flight(self.entry)
+            self._start(replacement, self.addresses)
+
+    def _entry_at(self, address: str) -> EngineEntry | None:
+        for entry in self.picker.front.registry:
+            if self.picker.address(entry.state.url) == address:
+                return entry
+        return None
+
+    def close(self) -> None:
+        """The stream ended: settle the engine's outcome, in-flight count, admission slot and metrics."""
+        if self.closed:
+            return
+        self.closed = True
+        picker = self.picker
+        picker.streams -= 1
+        metrics = picker.front.metrics
+        entry = self.entry
+        if entry is not None:
+            status = self.status
+            # No response headers: the request ended (client gone, engine broke, Envoy gave up) unseen.
+            self._settle(entry, None if status == 0 or 400 <= status < 500 or status == 429 else status < 500)
+            self._finish_in_flight(entry)
+        if self.admitted:
+            picker.front.admission.release()
+        engine = "none" if entry is None else entry.state.url
+        metrics.request_done(self.model_label, engine, str(self.status or 499))
+        if self.first_byte_at is not None:
+            metrics.observe_latency(
+                self.model_label, self.first_byte_at - self.started, time.monotonic() - self.started
+            )
+
+    def _settle(self, entry: EngineEntry, ok: bool | None) -> None:
+        breaker = entry.breaker
+        if ok is True:
+            breaker.record_success()
+        elif ok is False:
+            breaker.record_failure()
+        else:
+            breaker.release_probe()
+        self.picker.front.metrics.set_circuit(entry.state.url, breaker.state)
+
+    def _finish_in_flight(self, entry: EngineEntry) -> None:
+        state = entry.state
+        state.in_flight = max(0, state.in_flight - 1)
+        self.picker.front.registry.publish_in_flight(entry)
+        self.picker.front.metrics.engine_in_flight(state.url).set(state.in_flight)
+
+
+def _request_id(headers: Mapping[str, str]) -> str:
+    given = headers.get("x-request-id")
+    if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
+        return given
+    return f"kvs-{secrets.token_hex(12)}"
