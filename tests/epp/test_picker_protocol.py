@@ -14,6 +14,7 @@ from support.ext_proc import (
     destination,
     headers_message,
     immediate,
+    response_body_message,
     response_headers_message,
 )
 from support.metrics import counter_totals
@@ -238,3 +239,21 @@ async def test_unready_while_draining(picker_stack: PickerStack) -> None:
     picker_stack.epp.health.ready = False
     assert await picker_stack.client.check("readiness") == 2  # NOT_SERVING
     assert await picker_stack.client.check("liveness") == 1
+
+
+async def test_usage_is_counted_when_envoy_sends_response_bodies(picker_stack: PickerStack) -> None:
+    stream = picker_stack.client.stream()
+    await stream.exchange(headers_message())
+    await stream.exchange(body_message(BODY))
+    await stream.exchange(response_headers_message(200))
+    first = await stream.exchange(
+        response_body_message(b'data: {"choices":[{"text":"hi"}]}\n\n', end_of_stream=False)
+    )
+    assert first.WhichOneof("response") == "response_body"
+    last = b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2}}\n\ndata: [DONE]\n\n'
+    await stream.exchange(response_body_message(last, end_of_stream=True))
+    await stream.close()
+    async with aiohttp.ClientSession() as http, http.get(f"{picker_stack.epp.http_url}/metrics") as r:
+        text = await r.text()
+    tokens = counter_totals(text, "kvstack_router_tokens", "model", "kind")
+    assert tokens == {(MODEL, "prompt"): 7.0, (MODEL, "completion"): 2.0}

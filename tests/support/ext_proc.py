@@ -61,6 +61,10 @@ def response_headers_message(status: int, served: str | None = None) -> pb.Proce
     return request
 
 
+def response_body_message(body: bytes, *, end_of_stream: bool) -> pb.ProcessingRequest:
+    return pb.ProcessingRequest(response_body=pb.HttpBody(body=body, end_of_stream=end_of_stream))
+
+
 def destination(response: pb.ProcessingResponse) -> tuple[str | None, str | None]:
     """(the destination header the answer sets, the envoy.lb metadata value)."""
     kind = response.WhichOneof("response")

@@ -12,9 +12,10 @@ The decision is `frontend.routing`'s, the same as the proxy's: parse (400/404 as
 eligible). The header lists the pick and then up to ``fallbacks`` other engines for Envoy's retries.
 
 Response phase: ``:status`` and the served endpoint (``x-gateway-destination-endpoint-served``; a fallback
-when Envoy retried) settle the circuit breakers and the request metrics; the time to the response headers is
-the time to first byte. The request counts as in flight on its engine, and holds its admission slot, until
-the stream ends (``close``), whatever ended it.
+when Envoy retried) settle the circuit breakers and the request metrics. The time to first byte is the time
+to the response headers, or to the first body chunk when Envoy sends response bodies; then the tail of the
+body also gives the tokens the engine's ``usage`` reports (`kvstack.epp.usage`). The request counts as in
+flight on its engine, and holds its admission slot, until the stream ends (``close``), whatever ended it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
 from kvstack.epp import messages as m
+from kvstack.epp.usage import UsageTail
 from kvstack.frontend.admission import AdmissionRejected
 from kvstack.frontend.assembly import FrontEnd
 from kvstack.frontend.registry import EngineEntry
@@ -125,6 +127,8 @@ class PickerStream:
         self.admitted = False
         self.status = 0  # the client's status: Envoy's response, or our immediate answer
         self.first_byte_at: float | None = None
+        self.body_seen = False
+        self.usage: UsageTail | None = None
         self.closed = False
 
     async def handle(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
@@ -138,6 +142,7 @@ class PickerStream:
             self._response_headers(request)
             return [m.continue_response_headers()]
         if kind == "response_body":
+            self._response_body(request)
             return [m.continue_response_body()]
         return [m.continue_trailers(request)]
 
@@ -248,6 +253,22 @@ class PickerStream:
         if replacement is not None:
             self._finish_in_flight(self.entry)
             self._start(replacement, self.addresses)
+
+    def _response_body(self, request: m.ProcessingRequest) -> None:
+        body = request.response_body
+        if not self.body_seen:
+            self.body_seen = True
+            self.first_byte_at = time.monotonic()
+            self.usage = UsageTail()
+        if self.usage is not None:
+            self.usage.feed(body.body)
+            if body.end_of_stream:
+                found = self.usage.usage()
+                self.usage = None
+                if found is not None:
+                    self.picker.front.metrics.usage(
+                        self.model_label, found.prompt_tokens, found.completion_tokens
+                    )
 
     def _entry_at(self, address: str) -> EngineEntry | None:
         for entry in self.picker.front.registry:

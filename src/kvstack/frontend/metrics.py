@@ -425,6 +425,13 @@ class RouterMetrics:
             multiprocess_mode="livemax",
             registry=reg,
         )
+        self.tokens = Counter(
+            "kvstack_router_tokens",
+            "Tokens of answered requests as the engines' usage reports them, by model and kind (prompt, "
+            "completion); counted where the front end reads response bodies.",
+            ["model", "kind"],
+            registry=reg,
+        )
         self.tokenize_seconds = Histogram(
             "kvstack_router_tokenize_seconds",
             "Time to get a prompt's token ids for routing, by source (local, remote, cache; "
@@ -497,6 +504,10 @@ class RouterMetrics:
 
     def kv_connected(self, engine: str, connected: bool) -> None:
         self.hot.set_gauge("kvstack_kv_events_connected", (engine,), 1.0 if connected else 0.0)
+
+    def usage(self, model: str, prompt_tokens: int, completion_tokens: int) -> None:
+        self._child(self.tokens, model, "prompt").inc(prompt_tokens)
+        self._child(self.tokens, model, "completion").inc(completion_tokens)
 
     def tokenized(self, source: str, seconds: float) -> None:
         self._child(self.tokenize_seconds, source).observe(seconds)
