@@ -2,9 +2,10 @@
 
 Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``up`` (a local stack: simulated engines, a KV
 cache server and the router), ``cache-server``, ``bench``, ``model make-tiny`` (a dummy-weight model directory
-that real vLLM and the simulator both serve), ``version``. Each lives in its own module (``kvstack.cli.sim``,
-``.router``, ``.up``, ``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run
-function; this module assembles the parser and dispatches.
+that real vLLM and the simulator both serve), ``envoy-config`` (Envoy's bootstrap for the endpoint picker),
+``version``. Each lives in its own module (``kvstack.cli.sim``, ``.router``, ``.up``, ``.model``,
+``.envoy_config``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run function; this
+module assembles the parser and dispatches.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
 from kvstack.cache.cli import add_cache_server_parser, run_cache_server
-from kvstack.cli import model, router, sim, up
+from kvstack.cli import envoy_config, model, router, sim, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_bench_parser(sub)
     add_cache_server_parser(sub)
     model.add_parser(sub)
+    envoy_config.add_parser(sub)
     sub.add_parser("version", help="print the kvstack version")
     return parser
 
@@ -40,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "model":
         return model.run(args)
+    if args.command == "envoy-config":
+        return envoy_config.run(args)
     if args.command == "bench":
         return run_bench_command(args)
     if args.command == "cache-server":
