@@ -59,6 +59,7 @@ class CountingObserver:
     decode_errors: int = 0
     gaps: list[int] = field(default_factory=list)
     replays: list[str] = field(default_factory=list)
+    catch_ups: int = 0  # catch-ups with the publisher's buffer when a source connects
     connected: list[bool] = field(default_factory=list)
 
     def kv_batch(self, engine: str, batch: EventBatch) -> None:
@@ -68,7 +69,10 @@ class CountingObserver:
         self.gaps.append(missing)
 
     def kv_replay(self, engine: str, result: str) -> None:
-        self.replays.append(result)
+        if result == "catch_up":  # a connection's catch-up with the publisher's buffer, not a resync
+            self.catch_ups += 1
+        else:
+            self.replays.append(result)
 
     def kv_decode_error(self, engine: str) -> None:
         self.decode_errors += 1

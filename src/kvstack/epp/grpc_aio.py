@@ -23,7 +23,15 @@ class GrpcAioTransport:
     def __init__(self, picker: EndpointPicker, health: PickerHealth, host: str, port: int) -> None:
         self.picker = picker
         self.health = health
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        # Buffered request bodies arrive in one message: accept up to the picker's body limit.
+        limit = picker.config.max_body_bytes + (1 << 20)
+        self.server = grpc.aio.server(
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+            ]
+        )
         process = grpc.stream_stream_rpc_method_handler(
             self._process,
             request_deserializer=pb.ProcessingRequest.FromString,

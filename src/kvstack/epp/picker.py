@@ -3,10 +3,11 @@
 Request phase, by the body mode Envoy announces (``protocol_config``; BUFFERED when absent):
 - BUFFERED: the headers are answered CONTINUE; the whole body arrives in one message, and its answer carries
   the destination (header mutation plus ``envoy.lb`` metadata, route cache cleared).
-- STREAMED (with ``send_body_without_waiting_for_header_response``) and FULL_DUPLEX_STREAMED: chunks are
+- STREAMED with ``send_body_without_waiting_for_header_response``, and FULL_DUPLEX_STREAMED: chunks are
   gathered up to ``max_body_bytes``; at the last one the headers answer carries the destination, then each
   chunk is answered (full duplex: the whole body is sent back as one streamed mutation).
-- No body (a GET): the destination goes on the headers answer.
+- STREAMED without it (Envoy routes before the body), and no body (a GET): the destination goes on the
+  headers answer, decided without the body (no model, prompt or body session key).
 The decision is `frontend.routing`'s, the same as the proxy's: parse (400/404 as OpenAI JSON), admission
 (429 when shed), scheduling over the engines in Envoy's subset hint when it sends one (503 when none is
 eligible). The header lists the pick and then up to ``fallbacks`` other engines for Envoy's retries.
@@ -37,6 +38,7 @@ from kvstack.openai.errors import OpenAIError
 from kvstack.scheduling.interfaces import SESSION_HEADERS
 
 BUFFERED, STREAMED, FULL_DUPLEX = 2, 1, 4  # ProcessingMode.BodySendMode values
+HEADERS_ONLY = -1  # this stream's decision is made on the request headers
 REQUEST_ID_MAX = 256
 
 
@@ -150,10 +152,11 @@ class PickerStream:
         if request.HasField("protocol_config"):
             config = request.protocol_config
             mode = config.request_body_mode
-            if mode == FULL_DUPLEX or (
-                mode == STREAMED and config.send_body_without_waiting_for_header_response
-            ):
+            early = config.send_body_without_waiting_for_header_response
+            if mode == FULL_DUPLEX or (mode == STREAMED and early):
                 self.mode = mode
+            elif mode == STREAMED:
+                self.mode = HEADERS_ONLY
         message = request.request_headers
         headers = m.header_dict(message)
         pending = self.pending = PendingRequest(
@@ -163,7 +166,7 @@ class PickerStream:
             request_id=_request_id(headers),
             subset=m.subset_hint(request),
         )
-        if message.end_of_stream:
+        if message.end_of_stream or self.mode == HEADERS_ONLY:
             return [await self._route(pending, on_body=False)]
         if self.mode == BUFFERED:
             return [m.continue_request_headers()]
@@ -173,6 +176,8 @@ class PickerStream:
         pending = self.pending
         if pending is None:
             return [m.immediate_error(errors.bad_request("request body before its headers"))]
+        if self.mode == HEADERS_ONLY:  # already routed
+            return [m.continue_request_body()]
         body = request.request_body
         pending.chunks.append(body.body)
         pending.size += len(body.body)

@@ -9,10 +9,13 @@ rejected. Nothing once ``close``/``stop`` returns.
 
 Sequence rules (`SequenceTracker`, pure, per source): the next seq is applied; one beyond it is a gap,
 filled by replay (vLLM's DEALER/ROUTER protocol) up to the live batch; one at or just below the last
-(within ``duplicate_window``) is a duplicate; back to 0, further back, or after a drop is a restart. A
-source's first batch replays from 0 and resets nothing. ZMQ reconnects by itself; a short drop keeps the
-state. A malformed message, one over ``max_message_bytes`` or over ``max_blocks_per_batch`` blocks is
-counted and skipped, an unknown event type counted; nothing a peer sends stops the subscriber.
+(within ``duplicate_window``) is a duplicate; back to 0, further back, or after a drop is a restart. When a
+source with a replay service connects and nothing of it is known (just started, or its entries dropped),
+everything the publisher still buffers is replayed at once (``catch_up``), so a restarted router knows the
+engine's cache before its next event; without one, a source's first batch replays from 0 and resets
+nothing. ZMQ reconnects by itself; a short drop keeps the state. A malformed message, one over
+``max_message_bytes`` or over ``max_blocks_per_batch`` blocks is counted and skipped, an unknown event type
+counted; nothing a peer sends stops the subscriber.
 """
 
 from __future__ import annotations
@@ -225,9 +228,9 @@ class SequenceTracker:
 
     def classify(self, seq: int) -> SeqVerdict:
         received, applied = self.received, self.applied
-        if received is None or applied is None:
+        if applied is None:
             return SeqVerdict.FIRST
-        if seq <= received:
+        if received is not None and seq <= received:
             # Within one connection PUB/SUB cannot go back: a repeat comes from a proxy or a replay race.
             if seq > 0 and not self.interrupted and received - seq < self.duplicate_window:
                 return SeqVerdict.DUPLICATE
@@ -424,6 +427,8 @@ class KVEventSubscriber:
                             lost = None
                         self.connected = True
                         self.observer.kv_connected(self.engine, True)
+                        if tracker.applied is None and source.replay_endpoint is not None:
+                            await self._catch_up(source, tracker)
                     elif event == zmq.EVENT_DISCONNECTED:
                         self.connected = False
                         self.observer.kv_connected(self.engine, False)
@@ -570,6 +575,36 @@ class KVEventSubscriber:
             self._apply(tracker, replayed_seq, replayed)
         return True
 
+    async def _catch_up(self, source: EventSource, tracker: SequenceTracker) -> None:
+        """Apply everything the publisher buffers (a contiguous run), before any live batch."""
+        assert source.replay_endpoint is not None
+        try:
+            result = await replay(
+                self.context,
+                source.replay_endpoint,
+                0,
+                timeout=self.replay_timeout,
+                max_message_bytes=self.max_message_bytes,
+                on_unknown=self._unknown_event,
+            )
+        except (TimeoutError, zmq.ZMQError) as exc:
+            self.observer.kv_replay(self.engine, "failed")
+            log.info(
+                "engine %s: KV event catch-up from %s failed: %s", self.engine, source.replay_endpoint, exc
+            )
+            return
+        for _ in range(result.decode_errors):
+            self.observer.kv_decode_error(self.engine)
+        run = _contiguous_run(result.batches[-_last_run_start(result.batches) :], end=2**63)
+        if not run:
+            return
+        if any(_block_count(replayed) > self.max_blocks_per_batch for _, replayed in run):
+            self.observer.kv_decode_error(self.engine)
+            return
+        self.observer.kv_replay(self.engine, "catch_up")
+        for replayed_seq, replayed in run:
+            self._apply(tracker, replayed_seq, replayed)
+
     def _apply(self, tracker: SequenceTracker, seq: int, batch: EventBatch) -> None:
         if self._closed:  # an engine_removed ran while this message was in flight
             return
@@ -617,6 +652,16 @@ def _contiguous_run(batches: list[tuple[int, EventBatch]], end: int) -> list[tup
             break
         run.append(item)
     return run
+
+
+def _last_run_start(batches: list[tuple[int, EventBatch]]) -> int:
+    """How many batches, counted from the end, follow each other without a gap."""
+    count = 1 if batches else 0
+    for i in range(len(batches) - 1, 0, -1):
+        if batches[i][0] != batches[i - 1][0] + 1:
+            break
+        count += 1
+    return count
 
 
 def _readable(sock: zmq.asyncio.Socket) -> bool:
