@@ -62,6 +62,8 @@ def test_tie_break_parameter_defaults_to_random_and_is_checked() -> None:
         default_registry().create("max-score-picker", None, {"tieBreak": "hashed"})
     with pytest.raises(PluginConfigError, match="'hashPrefixTokens' must be an integer >= 1"):
         default_registry().create("max-score-picker", None, {"hashPrefixTokens": 0})
+    with pytest.raises(PluginConfigError, match="'tieTolerance' must be a number >= 0"):
+        default_registry().create("max-score-picker", None, {"tieTolerance": -0.1})
 
 
 def test_hash_ties_spread_evenly_over_engines_across_requests() -> None:
@@ -89,6 +91,20 @@ def test_scores_still_dominate_and_only_ties_are_hashed() -> None:
     for i in range(100):
         ranked = order(picker, req(f"req-{i}"), scored)
         assert ranked[0] == URLS[3] and set(ranked[1:3]) == {URLS[1], URLS[2]} and ranked[3] == URLS[0]
+
+
+def test_a_tolerance_makes_near_ties_hash_and_leaves_real_differences_to_the_score() -> None:
+    picker = MaxScorePicker(tie_break="hash", tie_tolerance=0.05)
+    near = [ScoredEngine(engine(URLS[0]), 3.0), ScoredEngine(engine(URLS[1]), 2.97), *tied(URLS[2:], 2.0)]
+    firsts = Counter(order(picker, req(f"req-{i}"), near)[0] for i in range(1000))
+    assert set(firsts) == set(URLS[:2]) and min(firsts.values()) > 400, firsts
+    for i in range(100):  # the rest keep their order by score, near ties hashed among themselves
+        assert set(order(picker, req(f"req-{i}"), near)[2:]) == set(URLS[2:])
+    apart = [ScoredEngine(engine(URLS[0]), 3.0), ScoredEngine(engine(URLS[1]), 2.9)]
+    assert all(order(picker, req(f"req-{i}"), apart)[0] == URLS[0] for i in range(100))
+    # Without a tolerance the same near tie always goes to the higher total.
+    exact = MaxScorePicker(tie_break="hash")
+    assert all(order(exact, req(f"req-{i}"), near)[0] == URLS[0] for i in range(100))
 
 
 def test_key_is_session_then_prompt_start_then_request_id() -> None:
@@ -148,6 +164,16 @@ def test_kv_aware_replicas_ignores_replica_local_history_and_follows_the_cache()
         two.schedule(guessed, engines[::-1], 10.0).target.url,
     }
     assert len(picks) == 1
+
+
+def test_kv_aware_replicas_agree_when_one_scrape_caught_a_running_request() -> None:
+    """One replica's latest scrape saw an engine busy with one request (some KV usage), the other not."""
+    one, two = (build_scheduler(preset_config("kv-aware-replicas")) for _ in range(2))
+    idle = [engine(u, knowledge="kv-events") for u in URLS]
+    caught = [engine(u, knowledge="kv-events", kv=0.006 if u == URLS[0] else 0.0) for u in URLS]
+    for i in range(200):
+        cold = SchedulingRequest("m", f"r{i}", prompt_token_ids=[i, 1, 2], prefix=PrefixView(3))
+        assert one.schedule(cold, idle, 10.0).target.url == two.schedule(cold, caught, 10.0).target.url
 
 
 def test_load_still_breaks_a_prefix_tie_in_kv_aware_replicas() -> None:

@@ -14,10 +14,11 @@
   engines that publish none.
 - kv-aware-replicas: kv-aware without what reads one replica's own send history (no-hit-lru, least-qps,
   the prefix scorer's routing-history guess): total = 3 * prefix (KV and cache events only) + queue +
-  kv-utilization + active-requests, ties broken by max-score-picker's ``tieBreak: hash``. For several
-  endpoint-picker replicas fed the same events and metrics: they decide alike, and a cold prompt goes where
-  its hash sends it. ``kvstack epp``'s "auto" choice once some engine publishes KV events.
-- default-replicas: default with ``tieBreak: hash``; ``kvstack epp``'s "auto" choice while no engine
+  kv-utilization + active-requests; max-score-picker with ``tieBreak: hash`` and ``tieTolerance: 0.05``
+  (totals closer than that are ties: a scrape that caught one running request does not decide). For
+  several endpoint-picker replicas fed the same events and metrics: they decide alike, and a cold prompt goes
+  where its hash sends it. ``kvstack epp``'s "auto" choice once some engine publishes KV events.
+- default-replicas: default with the same hash tie-break; ``kvstack epp``'s "auto" choice while no engine
   publishes KV events.
 
 Why these weights: docs/design/scheduling.md; kv-aware against other routers: docs/benchmarks/kv-routing.md.
@@ -138,6 +139,7 @@ plugins:
 - type: max-score-picker
   parameters:
     tieBreak: hash
+    tieTolerance: 0.05
 schedulingProfiles:
 - name: default
   plugins:
@@ -189,7 +191,8 @@ schedulingProfiles:
 
 _HASH_TIE_BREAK = """
   parameters:
-    tieBreak: hash"""
+    tieBreak: hash
+    tieTolerance: 0.05"""
 
 DEFAULT_PRESET = "default"
 

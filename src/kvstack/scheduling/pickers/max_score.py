@@ -8,13 +8,15 @@ next best. Among equal scores:
   first. The key is the session key when there is one, else xxh64 of the first ``hashPrefixTokens`` prompt
   token ids, else the request id. Ties still spread over engines, request by request, but every picker
   instance (every replica of an Envoy endpoint picker) orders the same request identically, fallbacks
-  included; a prompt that starts the same way lands on the same engine, and removing an engine moves only
-  the requests it was first for.
+  included; removing an engine moves only the requests it was first for. With ``tieTolerance`` t > 0, each
+  place goes to the highest weight among the remaining candidates scoring within t of the best remaining
+  one, so differences smaller than t (one request's KV blocks in a scrape) do not decide.
 
 Parameters:
   tieBreak (random | hash, default random)
   hashPrefixTokens (integer >= 1, default 256)  prompt tokens in the ``hash`` key
-Cost: O(candidates * log candidates) for the ordering, plus the key's hash for ``hash``.
+  tieTolerance (number >= 0, default 0)         ``hash`` only: totals this close count as tied
+Cost: O(candidates * log candidates); with a tolerance, O(candidates^2) at worst.
 When to use: the default picker, after scorers that express preference; ``hash`` when several pickers that
 see the same engine state must decide alike (preset kv-aware-replicas, docs/design/scheduling.md).
 """
@@ -54,13 +56,25 @@ def request_key(request: SchedulingRequest, prefix_tokens: int = 256) -> int:
     return xxhash.xxh64_intdigest(b"request\0" + request.request_id.encode())
 
 
-def order_by_score_and_hash(scored: Sequence[ScoredEngine], key: int) -> list[EngineState]:
-    """Highest score first, ties by rendezvous weight for ``key`` (then URL: a 64-bit collision)."""
-    ranked = sorted(
-        scored,
-        key=lambda s: (-s.score, -xxhash.xxh64_intdigest(s.engine.url.encode(), seed=key), s.engine.url),
-    )
-    return [s.engine for s in ranked]
+def order_by_score_and_hash(
+    scored: Sequence[ScoredEngine], key: int, tolerance: float = 0.0
+) -> list[EngineState]:
+    """Highest score first, ties (within ``tolerance``) by rendezvous weight for ``key``, then by URL (a
+    64-bit collision)."""
+    weight = {s.engine.url: xxhash.xxh64_intdigest(s.engine.url.encode(), seed=key) for s in scored}
+    ranked = sorted(scored, key=lambda s: (-s.score, -weight[s.engine.url], s.engine.url))
+    if tolerance <= 0:
+        return [s.engine for s in ranked]
+    out = []
+    while ranked:
+        floor = ranked[0].score - tolerance
+        tied = 1
+        while tied < len(ranked) and ranked[tied].score >= floor:
+            tied += 1
+        chosen = max(ranked[:tied], key=lambda s: (weight[s.engine.url], s.engine.url))
+        ranked.remove(chosen)
+        out.append(chosen.engine)
+    return out
 
 
 class MaxScorePicker(RandomizedPicker):
@@ -68,6 +82,7 @@ class MaxScorePicker(RandomizedPicker):
     params: ClassVar[tuple[Param, ...]] = (
         Param("tieBreak", "tie_break", str, "random", "random or hash", lambda v: v in TIE_BREAKS),
         Param("hashPrefixTokens", "hash_prefix_tokens", int, 256, "an integer >= 1", lambda v: v >= 1),
+        Param("tieTolerance", "tie_tolerance", float, 0.0, "a number >= 0", lambda v: v >= 0),
     )
 
     def __init__(
@@ -77,16 +92,19 @@ class MaxScorePicker(RandomizedPicker):
         rng: random.Random | None = None,
         tie_break: str = "random",
         hash_prefix_tokens: int = 256,
+        tie_tolerance: float = 0.0,
     ) -> None:
         super().__init__(name, rng=rng)
         if tie_break not in TIE_BREAKS:
             raise ValueError(f"tie_break {tie_break!r}: choose one of {', '.join(TIE_BREAKS)}")
         self.tie_break = tie_break
         self.hash_prefix_tokens = hash_prefix_tokens
+        self.tie_tolerance = tie_tolerance
 
     def pick(
         self, request: SchedulingRequest, state: CycleState, scored: Sequence[ScoredEngine]
     ) -> list[EngineState]:
         if self.tie_break == "hash":
-            return order_by_score_and_hash(scored, request_key(request, self.hash_prefix_tokens))
+            key = request_key(request, self.hash_prefix_tokens)
+            return order_by_score_and_hash(scored, key, self.tie_tolerance)
         return order_by_score(scored, self.rng)
