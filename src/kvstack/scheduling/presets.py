@@ -124,7 +124,7 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
-_KV_AWARE_REPLICAS = """\
+_KV_AWARE_REPLICAS_TEMPLATE = """\
 plugins:
 - type: saturation-filter
   parameters:
@@ -136,10 +136,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-requests-scorer
-- type: max-score-picker
-  parameters:
-    tieBreak: hash
-    tieTolerance: 0.05
+- type: max-score-picker{picker_parameters}
 schedulingProfiles:
 - name: default
   plugins:
@@ -205,7 +202,7 @@ PRESETS: Mapping[str, str] = MappingProxyType(
         "power-of-two": _POWER_OF_TWO,
         "kv-aware": _PREFIX_TEMPLATE.format(prefix_scorer="precise-prefix-scorer"),
         "prefix": _PREFIX_TEMPLATE.format(prefix_scorer="approximate-prefix-scorer"),
-        "kv-aware-replicas": _KV_AWARE_REPLICAS,
+        "kv-aware-replicas": _KV_AWARE_REPLICAS_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
         "default-replicas": _DEFAULT_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
     }
 )
