@@ -46,16 +46,17 @@ class Stack:
 
 
 async def start_sims(
-    n: int, *, time_scale: float = 20.0, faults: FaultConfig | None = None
+    n: int, *, time_scale: float = 20.0, faults: FaultConfig | None = None, kv_events: bool = False
 ) -> list[RunningEngine]:
+    """``n`` sims serving MODEL on free ports; ``kv_events``: each publishes them (and replays)."""
     tok = load_tokenizer(None)
     sampler = OutputSampler(tok)
     out = []
     for _ in range(n):
         cfg = EngineConfig(model_name=MODEL, time_scale=time_scale, block_size=16, num_gpu_blocks=4096)
         opts = SimOptions(
-            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=False,
-            faults=faults or FaultConfig(),
+            engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=kv_events,
+            replay=kv_events, faults=faults or FaultConfig(),
         )  # fmt: skip
         out.append(await start_engine(opts, tok, sampler, 0))
     return out

@@ -87,8 +87,9 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--routing",
         default="auto",
-        help="auto (kv-aware while some engine publishes KV events, else default), a preset (default, "
-        "kv-aware, prefix, round-robin, session, least-load, power-of-two) or a YAML config file",
+        help="auto (kv-aware while some engine publishes KV events, else default; in kvstack epp their "
+        "-replicas variants), a preset (default, kv-aware, prefix, round-robin, session, least-load, "
+        "power-of-two, kv-aware-replicas, default-replicas) or a YAML config file",
     )
     g.add_argument(
         "--session-header",

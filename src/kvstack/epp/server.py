@@ -39,6 +39,8 @@ class Transport(Protocol):
 
 @dataclass
 class EppOptions(FrontEndOptions):
+    # Replicas decide alike: no replica-local scorers, hash tie-break (kvstack.scheduling.presets).
+    auto_routing: tuple[str, str] = ("default-replicas", "kv-aware-replicas")
     host: str = "127.0.0.1"
     grpc_port: int = 9002  # 0 = a free port
     http_port: int = 9090  # metrics, engines, health; 0 = a free port

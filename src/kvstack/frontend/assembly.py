@@ -38,8 +38,10 @@ log = logging.getLogger(__name__)
 class FrontEndOptions:
     engines: list[Endpoint] = field(default_factory=list)
     discovery: Discovery | None = None
-    # A preset name or a YAML file; "auto": kv-aware while some engine publishes KV events, else default.
+    # A preset name or a YAML file; "auto": auto_routing's second while some engine publishes KV events,
+    # else its first.
     routing: str = "auto"
+    auto_routing: tuple[str, str] = ("default", "kv-aware")
     circuit: CircuitConfig = field(default_factory=CircuitConfig)
     max_in_flight: int = 0
     max_queue: int = 1024
@@ -138,8 +140,9 @@ def build_front_end(
     )
     kv_scheduler: Scheduler | None = None
     if opts.routing == "auto":
-        scheduler = build_scheduler(load_routing("default"))
-        kv_scheduler = build_scheduler(load_routing("kv-aware"))
+        without_events, with_events = opts.auto_routing
+        scheduler = build_scheduler(load_routing(without_events))
+        kv_scheduler = build_scheduler(load_routing(with_events))
     else:
         scheduler = build_scheduler(load_routing(opts.routing))
     locator = PrefixLocator(

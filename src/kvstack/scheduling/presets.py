@@ -12,6 +12,14 @@
   without events), then no-hit-lru, the three load scorers and least-qps (10 s window) weighted 1 each.
 - prefix: kv-aware with approximate-prefix-scorer (the router's own history) instead of KV events, for
   engines that publish none.
+- kv-aware-replicas: kv-aware without what reads one replica's own send history (no-hit-lru, least-qps,
+  the prefix scorer's routing-history guess): total = 3 * prefix (KV and cache events only) + queue +
+  kv-utilization + active-requests; max-score-picker with ``tieBreak: hash`` and ``tieTolerance: 0.05``
+  (totals closer than that are ties: a scrape that caught one running request does not decide). For
+  several endpoint-picker replicas fed the same events and metrics: they decide alike, and a cold prompt goes
+  where its hash sends it. ``kvstack epp``'s "auto" choice once some engine publishes KV events.
+- default-replicas: default with the same hash tie-break; ``kvstack epp``'s "auto" choice while no engine
+  publishes KV events.
 
 Why these weights: docs/design/scheduling.md; kv-aware against other routers: docs/benchmarks/kv-routing.md.
 """
@@ -93,7 +101,7 @@ schedulingProfiles:
   - pluginRef: power-of-two-picker
 """
 
-_DEFAULT = """\
+_DEFAULT_TEMPLATE = """\
 plugins:
 - type: saturation-filter
   parameters:
@@ -102,7 +110,7 @@ plugins:
 - type: queue-scorer
 - type: kv-cache-utilization-scorer
 - type: active-requests-scorer
-- type: max-score-picker
+- type: max-score-picker{picker_parameters}
 schedulingProfiles:
 - name: default
   plugins:
@@ -111,6 +119,34 @@ schedulingProfiles:
     weight: 2
   - pluginRef: kv-cache-utilization-scorer
     weight: 2
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
+_KV_AWARE_REPLICAS_TEMPLATE = """\
+plugins:
+- type: saturation-filter
+  parameters:
+    queueThreshold: 5
+    kvUsageThreshold: 0.8
+- type: precise-prefix-scorer
+  parameters:
+    useApproximate: false
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker{picker_parameters}
+schedulingProfiles:
+- name: default
+  plugins:
+  - pluginRef: saturation-filter
+  - pluginRef: precise-prefix-scorer
+    weight: 3
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
   - pluginRef: active-requests-scorer
     weight: 1
   - pluginRef: max-score-picker
@@ -150,17 +186,24 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+_HASH_TIE_BREAK = """
+  parameters:
+    tieBreak: hash
+    tieTolerance: 0.05"""
+
 DEFAULT_PRESET = "default"
 
 PRESETS: Mapping[str, str] = MappingProxyType(
     {
-        "default": _DEFAULT,
+        "default": _DEFAULT_TEMPLATE.format(picker_parameters=""),
         "round-robin": _ROUND_ROBIN,
         "session": _SESSION,
         "least-load": _LEAST_LOAD,
         "power-of-two": _POWER_OF_TWO,
         "kv-aware": _PREFIX_TEMPLATE.format(prefix_scorer="precise-prefix-scorer"),
         "prefix": _PREFIX_TEMPLATE.format(prefix_scorer="approximate-prefix-scorer"),
+        "kv-aware-replicas": _KV_AWARE_REPLICAS_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
+        "default-replicas": _DEFAULT_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
     }
 )
 
