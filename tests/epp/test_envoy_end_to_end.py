@@ -215,16 +215,20 @@ async def test_a_restarted_picker_resyncs_from_kv_events(envoy_stack: EnvoyStack
     prompts = [_prompt(300 + t) for t in range(4)]
     for p in prompts:
         await _complete(client, p)
+
+    def index_entries() -> float:
+        with urllib.request.urlopen(f"{envoy_stack.picker.http_url}/metrics", timeout=5) as r:
+            return sample_sum(r.read().decode(), "kvstack_prefix_index_entries")
+
+    await eventually(lambda: index_entries() > 0, what="the picker indexed the prompts", timeout_s=30)
+    await asyncio.sleep(0.5)  # the last answers' BlockStored events
+    known = index_entries()
     envoy_stack.picker.kill()
     envoy_stack.restart_picker()
     await _kv_events_known(envoy_stack)
-
-    def indexed() -> bool:
-        with urllib.request.urlopen(f"{envoy_stack.picker.http_url}/metrics", timeout=5) as r:
-            return sample_sum(r.read().decode(), "kvstack_prefix_index_entries") > 0
-
+    # No request since the restart: what the new picker knows comes from the engines' buffered events.
     await eventually(
-        indexed, what="the new picker's index refilled from the engines' event replay", timeout_s=30
+        lambda: index_entries() >= known, what="the new picker's index refilled from the replay", timeout_s=30
     )
     before = _prefix_hits(envoy_stack.engines)
     cacheable = 0

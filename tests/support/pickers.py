@@ -94,7 +94,8 @@ def start_picker_process(
     http_port: int | None = None,
     deadline_s: float = 30.0,
 ) -> PickerProcess:
-    """Start ``kvstack epp`` over ``engine_urls`` (ports free unless given); return once it knows them all."""
+    """Start ``kvstack epp`` over ``engine_urls`` (ports free unless given); return once it knows them all,
+    with fresh metrics."""
     grpc_port = grpc_port or free_port()
     http_port = http_port or free_port()
     args = [
@@ -111,7 +112,11 @@ def start_picker_process(
         try:
             with urllib.request.urlopen(f"{picker.http_url}/engines", timeout=2) as r:
                 engines = json.load(r)["engines"]
-            if len(engines) == len(engine_urls) and all(e["models"] and e["routable"] for e in engines):
+            # Fresh metrics too: an engine never scraped counts as saturated, and traffic would avoid it.
+            fresh = all(
+                e["models"] and e["routable"] and e["metrics"] and not e["metrics"]["stale"] for e in engines
+            )
+            if len(engines) == len(engine_urls) and fresh:
                 return picker
         except (OSError, ValueError, KeyError):
             pass
