@@ -61,7 +61,7 @@ def test_defaults_fail_closed_buffer_the_request_and_see_the_response_headers() 
     }
     assert proc["metadata_options"] == {
         "forwarding_namespaces": {"untyped": ["envoy.lb", "envoy.lb.subset_hint"]},
-        "receiving_namespaces": {"untyped": ["envoy.lb"]},
+        "receiving_namespaces": {"untyped": ["envoy.lb", "kvstack.epp"]},
     }
     names = [f["name"] for f in http_filters(config)]
     assert names[0] == "envoy.filters.http.header_mutation"  # before anything reads the destination

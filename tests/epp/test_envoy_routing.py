@@ -224,9 +224,11 @@ async def test_a_down_picker_fails_closed_with_503(
     tmp_path: Path, engines: list[Engine], cluster: str
 ) -> None:
     async with front(tmp_path, [dead_address()], named(engines) if cluster == "override-host" else ()) as f:
-        status, _ = await f.post()
+        status, payload = await f.post()
         assert status == 503
         assert f.envoy.stat("http.openai.ext_proc.streams_failed") == 1
+        error = json.loads(payload)["error"]  # Envoy's own reply, in OpenAI's error shape
+        assert error["code"] == 503 and error["type"] == "EnvoyError" and "ext_proc" in error["message"]
 
 
 async def test_fail_open_sends_a_request_to_a_named_engine_by_least_request(
@@ -242,7 +244,13 @@ async def test_fail_open_without_named_engines_has_nowhere_to_go(
 ) -> None:
     async with front(tmp_path, [dead_address()], fail_open=True) as f:
         status, payload = await f.post()
-        assert (status, payload) == (503, b"no healthy upstream")
+        assert status == 503
+        assert json.loads(payload)["error"] == {
+            "code": 503,
+            "message": "envoy: no_healthy_upstream",
+            "param": None,
+            "type": "EnvoyError",
+        }
 
 
 async def test_a_slow_picker_times_out_with_504(
@@ -372,3 +380,14 @@ async def test_several_envoys_run_at_once_with_more_worker_threads(
     finally:
         for envoy in started:
             envoy.stop()
+
+
+async def test_an_unmarked_immediate_response_is_rewritten_like_envoys_own(
+    tmp_path: Path, engines: list[Engine], picker: RunningPicker
+) -> None:
+    """Only the mark (``kvstack.epp``/``picker_reply``) keeps a picker's body: kvstack's picker sets it."""
+    picker.picker.answer = Answer(status=429, body=b"plain text", mark_reply=False)
+    async with front(tmp_path, [picker.address], named(engines)) as f:
+        status, payload = await f.post()
+        assert status == 429
+        assert json.loads(payload)["error"]["type"] == "EnvoyError"

@@ -25,7 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
-from kvstack.epp.envoy_config import DESTINATION, LB_NAMESPACE
+from kvstack.epp.envoy_config import DESTINATION, LB_NAMESPACE, PICKER_NAMESPACE, PICKER_REPLY
 from support.ports import free_port
 
 _BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -43,6 +43,7 @@ class Answer:
     status: int | None = None
     body: bytes = b""
     delay_s: float = 0.0  # before answering, to outlast Envoy's message_timeout
+    mark_reply: bool = True  # mark an ImmediateResponse as the picker's own (kvstack.epp/picker_reply)
 
 
 @dataclass
@@ -105,7 +106,7 @@ class FixedPicker(ep_grpc.ExternalProcessorServicer):
         if answer.delay_s:
             await asyncio.sleep(answer.delay_s)
         if answer.status is not None:
-            return ep.ProcessingResponse(
+            reply = ep.ProcessingResponse(
                 immediate_response=ep.ImmediateResponse(
                     status=http_status_pb2.HttpStatus(code=answer.status),
                     body=answer.body,
@@ -113,6 +114,9 @@ class FixedPicker(ep_grpc.ExternalProcessorServicer):
                     details="fixed_picker",
                 )
             )
+            if answer.mark_reply:  # as kvstack's picker does: Envoy leaves the body alone
+                reply.dynamic_metadata.update({PICKER_NAMESPACE: {PICKER_REPLY: True}})
+            return reply
         common = ep.CommonResponse()
         if answer.endpoints is not None:
             common.header_mutation.set_headers.append(_header(DESTINATION, answer.endpoints))

@@ -29,6 +29,9 @@ DESTINATION = "x-gateway-destination-endpoint"
 SERVED = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
+# The picker marks its own ImmediateResponse in this namespace: Envoy rewrites only its own local replies.
+PICKER_NAMESPACE = "kvstack.epp"
+PICKER_REPLY = "picker_reply"
 BODY_MODES = {"buffered": "BUFFERED", "streamed": "STREAMED", "full-duplex-streamed": "FULL_DUPLEX_STREAMED"}
 Format = Literal["yaml", "json"]
 
@@ -128,6 +131,7 @@ def _listener(options: EnvoyOptions) -> dict[str, Any]:
         "stream_idle_timeout": _seconds(options.idle_timeout_s),
         "access_log": [_access_log()],
         "route_config": {"name": "openai", "virtual_hosts": [_virtual_host(options)]},
+        "local_reply_config": _openai_local_replies(),
         "http_filters": filters,
     }
     hcm = "extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
@@ -198,7 +202,7 @@ def _ext_proc(options: EnvoyOptions) -> dict[str, Any]:
         "route_cache_action": "CLEAR",
         "metadata_options": {
             "forwarding_namespaces": {"untyped": [LB_NAMESPACE, SUBSET_NAMESPACE]},
-            "receiving_namespaces": {"untyped": [LB_NAMESPACE]},
+            "receiving_namespaces": {"untyped": [LB_NAMESPACE, PICKER_NAMESPACE]},
         },
     }
     return _typed(
@@ -322,6 +326,37 @@ def _limits() -> dict[str, Any]:
                 "max_pending_requests": _MAX_STREAMS,
                 "max_requests": _MAX_STREAMS,
                 "max_retries": _MAX_RETRIES,
+            }
+        ]
+    }
+
+
+def _openai_local_replies() -> dict[str, Any]:
+    """Envoy's own replies (no picker, no healthy engine, timeouts) as OpenAI error JSON; the picker's answers
+    (marked ``kvstack.epp``/``picker_reply``) are already OpenAI JSON and pass unchanged."""
+    not_the_picker = {
+        "metadata_filter": {
+            "matcher": {
+                "filter": PICKER_NAMESPACE,
+                "path": [{"key": PICKER_REPLY}],
+                "value": {"bool_match": False},
+            },
+            "match_if_key_not_found": True,
+        }
+    }
+    error = {
+        "error": {
+            "message": "envoy: %RESPONSE_CODE_DETAILS%",
+            "type": "EnvoyError",
+            "param": None,
+            "code": "%RESPONSE_CODE%",
+        }
+    }
+    return {
+        "mappers": [
+            {
+                "filter": not_the_picker,
+                "body_format_override": {"json_format": error, "content_type": "application/json"},
             }
         ]
     }

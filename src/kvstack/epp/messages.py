@@ -6,7 +6,8 @@
   ``x-gateway-destination-endpoint-served``).
 - Building: the pick as the ``x-gateway-destination-endpoint`` header (overwritten, route cache cleared) and
   the same value in ``envoy.lb`` dynamic metadata; CONTINUE answers for every phase; an ImmediateResponse
-  carrying an OpenAI error as JSON.
+  carrying an OpenAI error as JSON, marked ``kvstack.epp``/``picker_reply`` so Envoy's own error rewriting
+  (`envoy_config`) leaves it alone.
 """
 
 from __future__ import annotations
@@ -17,7 +18,14 @@ from envoy.config.core.v3.base_pb2 import HeaderValue, HeaderValueOption
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from google.protobuf.struct_pb2 import Struct
 
-from kvstack.epp.envoy_config import DESTINATION, LB_NAMESPACE, SERVED, SUBSET_NAMESPACE
+from kvstack.epp.envoy_config import (
+    DESTINATION,
+    LB_NAMESPACE,
+    PICKER_NAMESPACE,
+    PICKER_REPLY,
+    SERVED,
+    SUBSET_NAMESPACE,
+)
 from kvstack.openai.errors import OpenAIError
 
 SUBSET = "x-gateway-destination-endpoint-subset"
@@ -159,6 +167,8 @@ def immediate_error(err: OpenAIError, headers: Iterable[tuple[str, str]] = ()) -
     immediate.body = err.to_json()
     immediate.details = f"kvstack_epp_{err.status}"
     _set_headers(immediate.headers, [("content-type", "application/json"), *headers])
+    # Marked, so that Envoy's local-reply rewriting (for its own errors) leaves this JSON as it is.
+    response.dynamic_metadata.fields[PICKER_NAMESPACE].struct_value.fields[PICKER_REPLY].bool_value = True
     return response
 
 
