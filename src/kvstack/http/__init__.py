@@ -1,4 +1,4 @@
-"""kvstack's own HTTP: the HTTP/1.1 server the router serves with, the pooled client to engines, a gRPC server.
+"""kvstack's own HTTP: the router's HTTP/1.1 server, the pooled client to engines, a gRPC server.
 
 - `server`: HTTP/1.1 on uvloop + httptools (llhttp): keep-alive, pipelining, ``Expect: 100-continue``,
   chunked bodies, limits answered as OpenAI error JSON.

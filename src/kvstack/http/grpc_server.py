@@ -421,6 +421,7 @@ class Connection(asyncio.Protocol):
         """DATA that does not go out at once: queued on its stream, sent as windows open."""
         limit = self._server.max_buffered_bytes
         if self._buffered + len(payload) > limit:
+            self._drop_pending(st)  # the call fails: its trailers go out now, not after its data
             st._end_by_server(
                 Status.RESOURCE_EXHAUSTED, f"the client leaves over {limit} bytes of responses unread"
             )
@@ -476,9 +477,14 @@ class Connection(asyncio.Protocol):
 
     def _forget(self, st: GrpcStream) -> None:
         self._streams.pop(st.id, None)
+        self._drop_pending(st)
+        self._close_if_done()
+
+    def _drop_pending(self, st: GrpcStream) -> None:
         if self._blocked.pop(st.id, None) is not None and st._pending:
             self._buffered -= sum(len(p) for p in st._pending)
-        self._close_if_done()
+        st._pending = None
+        st._trailers = None
 
     def _schedule_flush(self) -> None:
         if not self._flush_scheduled:
@@ -487,11 +493,12 @@ class Connection(asyncio.Protocol):
 
     def _flush(self) -> None:
         self._flush_scheduled = False
-        out = self._out
-        if not out or self._transport is None or self._closed:
+        if self._transport is None or self._closed:
             return
-        self._transport.write(out[0] if len(out) == 1 else b"".join(out))
-        out.clear()
+        out = self._out
+        if out:
+            self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
         if self._goaway_sent or self._peer_goaway:
             self._close_if_done()
 
