@@ -500,3 +500,16 @@ def test_under_uvloop_with_grpcios_sync_client() -> None:
             assert server.open_streams == 0
 
     uvloop.run(scenario())
+
+
+async def test_the_same_block_decodes_anew_once_the_dynamic_table_changed() -> None:
+    async with serving() as (_, port, handlers):
+        c = await WireClient.open(port)
+        base = b"\x83\x86" + b"\x04\x09/t.S/Echo" + b"\x0f\x10\x10application/grpc"  # POST, http, path, type
+        adds = [base + b"\x40\x03x-a\x01" + value for value in (b"1", b"2")]  # x-a indexed: table entry 62
+        reads = base + b"\xbe"  # x-a from entry 62: the same bytes each time
+        for sid, block in zip((1, 3, 5, 7, 9), (adds[0], reads, reads, adds[1], reads), strict=True):
+            c.send(HEADERS, END_HEADERS | END_STREAM, sid, block)
+            await c.read_until(ends(sid))
+        assert [dict(h.stream.metadata).get("x-a") for h in handlers] == ["1", "1", "1", "2", "2"]
+        await c.close()

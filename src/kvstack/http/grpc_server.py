@@ -36,6 +36,9 @@ MAX_FRAME_IN = 1 << 20  # SETTINGS_MAX_FRAME_SIZE we announce
 MAX_HEADER_LIST = 64 << 10  # SETTINGS_MAX_HEADER_LIST_SIZE we announce (decoded size, as hpack counts it)
 MAX_HEADER_BLOCK = 256 << 10  # encoded bytes of one header block, CONTINUATIONs included
 MAX_CONTINUATIONS = 64
+# Decoded header blocks kept per connection (blocks that leave the dynamic table unchanged decode alike until
+# it changes: Envoy sends the same block for every ext_proc stream).
+MAX_CACHED_HEADS = 256
 # Headers that describe the call's transport rather than its metadata.
 _NOT_METADATA = frozenset({"content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding"})
 
@@ -61,6 +64,8 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._decoder = hpack.Decoder(MAX_HEADER_LIST)
         self._decoder.max_allowed_table_size = max(server.header_table_size, h2.DEFAULT_HEADER_TABLE)
+        self._table_version = 0  # bumped by every block that changes the decoder's dynamic table
+        self._heads: dict[bytes, tuple[int, _RequestHead]] = {}
         self._streams: dict[int, GrpcStream] = {}
         self._blocked: dict[int, GrpcStream] = {}  # streams with DATA waiting for a window
         self._buffered = 0  # bytes in the blocked streams' queues
@@ -276,13 +281,28 @@ class Connection(asyncio.Protocol):
             self._header_block = None
             self._on_header_block(first_flags, sid, b"".join(pieces))
 
-    def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
+    def _request_head(self, block: bytes) -> _RequestHead:
+        """A header block decoded, through the cache of blocks that leave the dynamic table as it is."""
+        cached = self._heads.get(block)
+        if cached is not None and cached[0] == self._table_version:
+            return cached[1]
         try:
             headers = cast(list[tuple[str, str]], self._decoder.decode(block))
         except hpack.OversizedHeaderListError as exc:
             raise h2.ProtocolError(h2.ErrorCode.ENHANCE_YOUR_CALM, str(exc)) from exc
         except (hpack.HPACKError, ValueError, IndexError) as exc:
             raise h2.ProtocolError(h2.ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}") from exc
+        head = _read_head(headers)
+        if h2.changes_table(block):
+            self._table_version += 1
+        else:
+            if len(self._heads) >= MAX_CACHED_HEADS:
+                self._heads.clear()
+            self._heads[block] = (self._table_version, head)
+        return head
+
+    def _on_header_block(self, flags: int, sid: int, block: bytes) -> None:
+        path, http_method, content_type, metadata = self._request_head(block)
         ended = bool(flags & h2.END_STREAM)
         st = self._streams.get(sid)
         if st is not None:  # trailers from the client
@@ -297,18 +317,6 @@ class Connection(asyncio.Protocol):
         if self._goaway_sent or len(self._streams) >= self._server.max_concurrent_streams:
             self._out.append(h2.rst_stream(sid, h2.ErrorCode.REFUSED_STREAM))
             return
-        path = http_method = content_type = ""
-        metadata: list[tuple[str, str]] = []
-        for name, value in headers:
-            if name[0] == ":":
-                if name == ":path":
-                    path = value
-                elif name == ":method":
-                    http_method = value
-            elif name == "content-type":
-                content_type = value
-            elif name not in _NOT_METADATA:
-                metadata.append((name, value))
         if http_method != "POST" or not content_type.startswith("application/grpc"):
             # Not a gRPC request: answered in HTTP (405, 415) as the gRPC protocol says.
             code = b"405" if http_method != "POST" else b"415"
@@ -318,7 +326,7 @@ class Connection(asyncio.Protocol):
                 self._out.append(h2.rst_stream(sid, h2.ErrorCode.NO_ERROR))
             return
         self._last_accepted = sid
-        st = GrpcStream(self, sid, path, metadata, self._peer_initial_window, STREAM_WINDOW)
+        st = GrpcStream(self, sid, path, list(metadata), self._peer_initial_window, STREAM_WINDOW)
         self._streams[sid] = st
         factory = self._server.methods.get(path)
         if factory is None:
@@ -342,6 +350,7 @@ class Connection(asyncio.Protocol):
                 raise h2.ProtocolError(h2.ErrorCode.FRAME_SIZE_ERROR, "SETTINGS ACK with a payload")
             # Our table size holds from the peer's ACK on (a larger one was allowed from the start).
             self._decoder.max_allowed_table_size = self._server.header_table_size
+            self._table_version += 1  # cached blocks are checked against it again
             return
         self._settings_seen = True
         for key, value in h2.parse_settings(payload):
@@ -548,6 +557,26 @@ class Connection(asyncio.Protocol):
     @property
     def open_streams(self) -> int:
         return len(self._streams)
+
+
+# What a request's headers say: :path, :method, content-type, and the metadata (the other fields).
+_RequestHead = tuple[str, str, str, tuple[tuple[str, str], ...]]
+
+
+def _read_head(headers: list[tuple[str, str]]) -> _RequestHead:
+    path = http_method = content_type = ""
+    metadata = []
+    for name, value in headers:
+        if name[0] == ":":
+            if name == ":path":
+                path = value
+            elif name == ":method":
+                http_method = value
+        elif name == "content-type":
+            content_type = value
+        elif name not in _NOT_METADATA:
+            metadata.append((name, value))
+    return path, http_method, content_type, tuple(metadata)
 
 
 def _unpad(payload: bytes) -> bytes:

@@ -134,3 +134,44 @@ def literal_indexed_name(index: int, value: bytes) -> bytes:
 STATUS_200 = b"\x88"  # :status 200, static table index 8
 STATIC_STATUS = 8  # the static-table index of the :status name
 STATIC_CONTENT_TYPE = 31
+
+
+def changes_table(block: bytes) -> bool:
+    """Whether an HPACK header block (well formed) adds to the dynamic table or resizes it: a block that
+    does neither decodes to the same fields for as long as the table stays as it is."""
+    i, n = 0, len(block)
+    while i < n:
+        first = block[i]
+        if first & 0x80:  # indexed field
+            i = _integer_end(block, i, 0x7F)
+        elif first & 0x40 or first & 0x20:  # literal with incremental indexing; table size update
+            return True
+        else:  # literal without indexing or never indexed: a name (index or string), then a value string
+            i = _integer_end(block, i, 0x0F) if first & 0x0F else _string_end(block, i + 1)
+            i = _string_end(block, i)
+    return False
+
+
+def _integer_value(block: bytes, i: int, mask: int) -> tuple[int, int]:
+    """The HPACK integer at ``i`` (``mask``: its prefix bits) and the offset after it."""
+    value = block[i] & mask
+    i += 1
+    if value < mask:
+        return value, i
+    shift = 0
+    while True:
+        byte = block[i]
+        i += 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            return value, i
+
+
+def _integer_end(block: bytes, i: int, mask: int) -> int:
+    return _integer_value(block, i, mask)[1]
+
+
+def _string_end(block: bytes, i: int) -> int:
+    length, i = _integer_value(block, i, 0x7F)
+    return i + length
