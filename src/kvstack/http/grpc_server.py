@@ -125,6 +125,10 @@ class Connection(asyncio.Protocol):
         except h2.ProtocolError as exc:
             self._fail(exc.code, str(exc))
             return
+        except Exception:  # a bug here must end this connection, not every read after it
+            log.exception("HTTP/2 connection failed")
+            self._fail(h2.ErrorCode.INTERNAL_ERROR, "internal error")
+            return
         finally:
             self._receiving = False
         if self._closed:

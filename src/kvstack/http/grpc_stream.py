@@ -37,7 +37,8 @@ MESSAGE_PREFIX = struct.Struct(">BI")
 
 
 class StreamHandler(Protocol):
-    """One call's receiver, made by its method's factory; after ``on_reset`` nothing more is called."""
+    """One call's receiver, made by its method's factory; after its ``finish`` or ``on_reset``, nothing is
+    called any more."""
 
     def on_message(self, data: bytes) -> None: ...
 
