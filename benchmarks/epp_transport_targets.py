@@ -266,7 +266,7 @@ def probe(target: Target, destination: str, logs: Path) -> dict[str, Any]:
             time.sleep(0.1)
         exited = refused.exited()
         refused.stop()
-        errors = [line for line in refused.log_text().splitlines() if "critical" in line or "error" in line]
+        refusal = re.search(r"error `([^`]*)`", refused.log_text())
         out["buffered_body_accepted"] = exited is None
-        out["buffered_body_refusal"] = errors[-1][-260:] if errors else None
+        out["buffered_body_refusal"] = refusal.group(1) if refusal else refused.log_text()[-300:]
     return out
