@@ -156,8 +156,9 @@ def _wait_banner(group: Group, pattern: str, budget_s: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--rounds", type=int, default=4, help="rounds over every target")
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds of each measured wrk run")
-    parser.add_argument("--warmup", type=float, default=1.5, help="seconds of wrk before each measured run")
+    # wrk takes whole seconds only.
+    parser.add_argument("--duration", type=int, default=5, help="seconds of each measured wrk run")
+    parser.add_argument("--warmup", type=int, default=2, help="seconds of wrk before each measured run")
     parser.add_argument("--connections", type=int, default=64, help="wrk connections")
     parser.add_argument(
         "--targets", default=",".join(TARGETS), help=f"comma-separated, of: {', '.join(TARGETS)}"

@@ -190,7 +190,12 @@ def measure(
 ) -> Run:
     """A warm-up, then one wrk run at ``connections`` with every process's CPU read around it."""
     run = Run(running.target.name, round_no, connections, duration_s)
-    run_wrk(wrk, lua, running.url, mode="plain", connections=connections, duration_s=warmup_s, log=log)
+    warm, _, text = run_wrk(
+        wrk, lua, running.url, mode="plain", connections=connections, duration_s=warmup_s, log=log
+    )
+    if warm is None:
+        run.failure = f"warm-up failed: {text[-300:]}"
+        return run
     picker, proxy = running.picker, running.envoy
     stats0, counts0 = ext_proc_stats(running.admin), backend_counts(backend_url)
     cpu0 = [g.cpu_seconds() if g else 0.0 for g in (picker, proxy, backend)]
