@@ -201,6 +201,7 @@ async def test_envoy_ext_proc_routes_by_the_lean_pickers_answer(
         answers = await asyncio.gather(*(one(i) for i in range(200)))
     assert {a["got"] for a in answers} == {destination}
     await eventually(lambda: len(Picker.seen) >= 200, what="every ext_proc stream ended")
-    assert set(Picker.seen) == {"request_headers,request_body,end"}
+    # Envoy half-closes a finished ext_proc stream, or resets it when the request completed first.
+    assert set(Picker.seen) <= {"request_headers,request_body,end", "request_headers,request_body,reset"}
     await eventually(lambda: picker.open_streams == 0, what="no call left open")
     assert picker.connections >= 1
