@@ -26,7 +26,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default=9090,
         help="/metrics, /engines, /health, /ready (0 = a free port)",
     )
-    p.add_argument("--transport", choices=["grpcio"], default="grpcio", help="the gRPC server")
+    p.add_argument(
+        "--transport",
+        choices=["lean", "grpcio"],
+        default="lean",
+        help="the gRPC server: kvstack's own (lean: HTTP/2 on the picker's loop) or grpcio's asyncio one",
+    )
     p.add_argument(
         "--fallbacks",
         type=int_in(0, 16),

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 from urllib.parse import urlsplit
 
 from kvstack.epp import messages as m
@@ -37,6 +38,7 @@ from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.scheduling.interfaces import SESSION_HEADERS
 
+Answers = list[m.ProcessingResponse]
 BUFFERED, STREAMED, FULL_DUPLEX = 2, 1, 4  # ProcessingMode.BodySendMode values
 HEADERS_ONLY = -1  # this stream's decision is made on the request headers
 REQUEST_ID_MAX = 256
@@ -135,11 +137,17 @@ class PickerStream:
 
     async def handle(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
         """The answers to one message from Envoy (none while gathering a streamed body)."""
+        answers = self.step(request)
+        return answers if isinstance(answers, list) else await answers
+
+    def step(self, request: m.ProcessingRequest) -> Answers | Coroutine[Any, Any, Answers]:
+        """``handle`` without a coroutine where none is needed: the answers at once, or a coroutine that
+        makes the decision (scheduling may wait for a tokenizer or an admission slot)."""
         kind = request.WhichOneof("request")
         if kind == "request_headers":
-            return await self._request_headers(request)
+            return self._request_headers(request)
         if kind == "request_body":
-            return await self._request_body(request)
+            return self._request_body(request)
         if kind == "response_headers":
             self._response_headers(request)
             return [m.continue_response_headers()]
@@ -148,7 +156,7 @@ class PickerStream:
             return [m.continue_response_body()]
         return [m.continue_trailers(request)]
 
-    async def _request_headers(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
+    def _request_headers(self, request: m.ProcessingRequest) -> Answers | Coroutine[Any, Any, Answers]:
         if request.HasField("protocol_config"):
             config = request.protocol_config
             mode = config.request_body_mode
@@ -167,12 +175,12 @@ class PickerStream:
             subset=m.subset_hint(request),
         )
         if message.end_of_stream or self.mode == HEADERS_ONLY:
-            return [await self._route(pending, on_body=False)]
+            return self._decide(pending, None)
         if self.mode == BUFFERED:
             return [m.continue_request_headers()]
         return []
 
-    async def _request_body(self, request: m.ProcessingRequest) -> list[m.ProcessingResponse]:
+    def _request_body(self, request: m.ProcessingRequest) -> Answers | Coroutine[Any, Any, Answers]:
         pending = self.pending
         if pending is None:
             return [m.immediate_error(errors.bad_request("request body before its headers"))]
@@ -200,8 +208,12 @@ class PickerStream:
             return [self._refuse(err)]
         if pending.route.model in self.picker.front.registry.models():
             self.model_label = pending.route.model or "other"
-        if self.mode == BUFFERED:
-            return [await self._route(pending, on_body=True)]
+        return self._decide(pending, raw)
+
+    async def _decide(self, pending: PendingRequest, raw: bytes | None) -> Answers:
+        """The decision's answers: on the buffered body, or on the headers (then the gathered chunks)."""
+        if raw is None or self.mode == BUFFERED:
+            return [await self._route(pending, on_body=raw is not None)]
         answer = await self._route(pending, on_body=False)
         if answer.HasField("immediate_response"):
             return [answer]

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from kvstack.epp.app import PickerHttpApp
 from kvstack.epp.grpc_aio import GrpcAioTransport
+from kvstack.epp.grpc_lean import LeanTransport
 from kvstack.epp.health import PickerHealth
 from kvstack.epp.picker import EndpointPicker, PickerConfig
 from kvstack.frontend.assembly import FrontEnd, FrontEndOptions, build_front_end
@@ -26,7 +27,7 @@ from kvstack.http.server import HttpServer
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("grpcio",)
+TRANSPORTS = ("lean", "grpcio")  # kvstack's own gRPC server (the default), or grpcio's asyncio server
 
 
 class Transport(Protocol):
@@ -44,7 +45,7 @@ class EppOptions(FrontEndOptions):
     host: str = "127.0.0.1"
     grpc_port: int = 9002  # 0 = a free port
     http_port: int = 9090  # metrics, engines, health; 0 = a free port
-    transport: str = "grpcio"
+    transport: str = "lean"
     picker: PickerConfig = field(default_factory=PickerConfig)
     drain_s: float = 0.0
     grace_s: float = 1.0
@@ -78,7 +79,11 @@ async def start_epp(opts: EppOptions) -> RunningEpp:
     front = build_front_end(opts, RouterMetrics())
     picker = EndpointPicker(front, opts.picker)
     health = PickerHealth()
-    transport = GrpcAioTransport(picker, health, opts.host, opts.grpc_port)
+    transport: Transport = (
+        LeanTransport(picker, health, opts.host, opts.grpc_port)
+        if opts.transport == "lean"
+        else GrpcAioTransport(picker, health, opts.host, opts.grpc_port)
+    )
     http = PickerHttpApp(front, picker).server()
     try:
         await transport.start()
