@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections import deque
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -20,6 +19,7 @@ from google.protobuf.message import DecodeError
 from kvstack.epp.health import CHECK_METHOD, PickerHealth
 from kvstack.epp.picker import Answers, EndpointPicker, PickerStream
 from kvstack.http.grpc_server import GrpcError, GrpcServer, GrpcStream, Status, unary
+from kvstack.http.listen import listening_socket
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class LeanTransport:
             max_message_bytes=picker.config.max_body_bytes + (1 << 20),
             max_concurrent_streams=1 << 16,
         )
-        self._sock = _bind(host, port)
+        self._sock = listening_socket(host, port)
         self.port: int = self._sock.getsockname()[1]
 
     def _process(self, call: GrpcStream) -> _ProcessCall:
@@ -122,11 +122,3 @@ class LeanTransport:
 
     async def close(self, grace_s: float = 1.0) -> None:
         await self.server.close(grace_s)
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.setblocking(False)
-    return sock

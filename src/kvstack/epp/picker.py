@@ -317,14 +317,8 @@ class PickerStream:
             )
 
     def _settle(self, entry: EngineEntry, ok: bool | None) -> None:
-        breaker = entry.breaker
-        if ok is True:
-            breaker.record_success()
-        elif ok is False:
-            breaker.record_failure()
-        else:
-            breaker.release_probe()
-        self.picker.front.metrics.set_circuit(entry.state.url, breaker.state)
+        entry.breaker.settle(ok)
+        self.picker.front.metrics.set_circuit(entry.state.url, entry.breaker.state)
 
     def _finish_in_flight(self, entry: EngineEntry) -> None:
         state = entry.state

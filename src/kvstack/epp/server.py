@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -23,6 +22,7 @@ from kvstack.epp.health import PickerHealth
 from kvstack.epp.picker import EndpointPicker, PickerConfig
 from kvstack.frontend.assembly import FrontEnd, FrontEndOptions, build_front_end
 from kvstack.frontend.metrics import RouterMetrics
+from kvstack.http.listen import listening_socket
 from kvstack.http.server import HttpServer
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ async def start_epp(opts: EppOptions) -> RunningEpp:
     http = PickerHttpApp(front, picker).server()
     try:
         await transport.start()
-        sock = _bind(opts.host, opts.http_port)
+        sock = listening_socket(opts.host, opts.http_port, backlog=1024)
         await http.start(sock)
     except BaseException:
         await transport.close(0)
@@ -107,15 +107,6 @@ async def start_epp(opts: EppOptions) -> RunningEpp:
         http,
         opts,
     )
-
-
-def _bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(1024)
-    sock.setblocking(False)
-    return sock
 
 
 @contextlib.asynccontextmanager

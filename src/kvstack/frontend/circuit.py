@@ -73,6 +73,15 @@ class CircuitBreaker:
         elif self._state is CircuitState.CLOSED and self._failures >= self.config.failure_threshold:
             self._open(self.config.open_seconds)
 
+    def settle(self, ok: bool | None) -> None:
+        """A request's outcome: True success, False failure, None neither (a client error, a client gone)."""
+        if ok is True:
+            self.record_success()
+        elif ok is False:
+            self.record_failure()
+        else:
+            self.release_probe()
+
     def release_probe(self) -> None:
         """A probe ended without an outcome (for example the client went away): let another through."""
         self._probe_in_flight = False

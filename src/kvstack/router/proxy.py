@@ -260,12 +260,7 @@ class Proxy:
             if settled:
                 return
             settled = True
-            if ok is True:
-                breaker.record_success()
-            elif ok is False:
-                breaker.record_failure()
-            else:
-                breaker.release_probe()
+            breaker.settle(ok)
             self.metrics.set_circuit(url, breaker.state)
 
         try:

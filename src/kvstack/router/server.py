@@ -9,7 +9,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import socket
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -21,6 +20,7 @@ from kvstack.frontend.kv_feeds import KVEventFeeds
 from kvstack.frontend.metrics import RouterMetrics
 from kvstack.frontend.prefix import PrefixLocator
 from kvstack.http.client import UpstreamPool
+from kvstack.http.listen import listening_socket
 from kvstack.http.server import HttpServer
 from kvstack.router.app import RouterApp, RouterConfig
 from kvstack.router.proxy import Proxy, RetryPolicy
@@ -119,7 +119,7 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
     try:
         if group is not None:
             await group.start()
-        sock = _bind(opts.host, opts.port, reuse_port=opts.reuse_port)
+        sock = listening_socket(opts.host, opts.port, reuse_port=opts.reuse_port)
         await server.start(sock)
     except BaseException:
         await server.close()
@@ -145,17 +145,6 @@ def _circuit_broadcaster(group: WorkerGroup) -> Callable[[str, float], None]:
         task.add_done_callback(pending.discard)
 
     return opened
-
-
-def _bind(host: str, port: int, *, reuse_port: bool) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if reuse_port:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
-    sock.setblocking(False)
-    return sock
 
 
 @contextlib.asynccontextmanager
