@@ -110,7 +110,7 @@ async def test_router_looks_up_the_requests_adapter_and_salt() -> None:
     async def route(model: str, **fields: object) -> str:
         body = {"model": model, "prompt": TOKENS, **fields}
         request = RouteRequest("/v1/completions", model, False, None, "r", body)
-        return (await picker.pick(request, states))[1][0]
+        return (await picker.pick(request, states)).target
 
     assert await route("sql") == B
     assert await route("base") == A

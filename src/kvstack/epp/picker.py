@@ -88,9 +88,10 @@ class EndpointPicker:
         route = request.route
         if route is None:
             route = RouteRequest(request.path, None, False, None, request.request_id, {})
-        profile, candidates = await front.picker.pick(route, states)
+        decision = await front.picker.pick(route, states)
+        candidates = decision.candidates
         entry = _first_allowed(front, candidates)
-        front.metrics.decision(profile, entry.state.url)
+        front.metrics.decision(decision.profile, entry.state.url)
         chosen = [entry.state.url, *(u for u in candidates if u != entry.state.url)]
         return entry, [self.address(u) for u in chosen[: 1 + self.config.fallbacks]]
 

@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
 
 from kvstack.engines.prompt_tokens import PromptTokenizer, prompt_of
-from kvstack.engines.state import EngineState
+from kvstack.engines.state import EngineRole, EngineState
 from kvstack.frontend.prefix import PrefixLookup, PrefixSource
 from kvstack.frontend.registry import EngineRegistry
 from kvstack.openai import errors
@@ -88,12 +88,24 @@ def parse_route(
     return RouteRequest(path, model, stream, session, request_id, body)
 
 
-class Picker(Protocol):
-    """The scheduling entry point as a front end uses it: candidates in preference order."""
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where a request goes: the engine URLs that may serve it (the chosen one first, then fallbacks for
+    retries) and, when its prompt is to be prefilled elsewhere first, the prefill engines (best first)."""
 
-    async def pick(self, request: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
-        """(profile name, engine URLs: the chosen one first, then fallbacks for retries)."""
-        ...
+    profile: str  # the scheduling profile that chose ``candidates``
+    candidates: list[str]
+    prefill: list[str] = field(default_factory=list)
+
+    @property
+    def target(self) -> str:
+        return self.candidates[0]
+
+
+class Picker(Protocol):
+    """The scheduling entry point as a front end uses it."""
+
+    async def pick(self, request: RouteRequest, states: list[EngineState]) -> Decision: ...
 
 
 class SchedulerPicker:
@@ -123,7 +135,7 @@ class SchedulerPicker:
             return self.kv_scheduler
         return self.scheduler
 
-    async def pick(self, route: RouteRequest, states: list[EngineState]) -> tuple[str, list[str]]:
+    async def pick(self, route: RouteRequest, states: list[EngineState]) -> Decision:
         model = route.model
         if model is None:
             # No model named: vLLM serves its default; any engine that serves exactly one model will do.
@@ -163,10 +175,18 @@ class SchedulerPicker:
             self.locator.record(result.target.url, lookup, now)
         ordered = [result.target.url, *(e.url for e in result.fallbacks)]
         # Retries may go beyond what the profile kept (for example engines a saturation filter set aside):
-        # a busy engine is a better answer than an error.
+        # a busy engine is a better answer than an error. Prefill-only engines never serve whole requests.
         chosen = set(ordered)
-        ordered += [s.url for s in states if s.routable and s.url not in chosen and _serves(s, model)]
-        return result.primary_profile, ordered
+        ordered += [s.url for s in states if s.url not in chosen and _may_serve(s, model)]
+        prefill = []
+        if result.prefill_profile is not None:
+            prefill = [e.url for e in result.profiles[result.prefill_profile].targets]
+        return Decision(result.primary_profile, ordered, prefill)
+
+
+def _may_serve(state: EngineState, model: str) -> bool:
+    """A routable engine that may take this whole request (a prefill-only engine never does)."""
+    return state.routable and state.endpoint.role is not EngineRole.PREFILL and _serves(state, model)
 
 
 def _serves(state: EngineState, model: str) -> bool:

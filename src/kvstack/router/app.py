@@ -33,7 +33,7 @@ from kvstack.engines.specs import EngineSpecError, build_endpoint
 from kvstack.engines.state import Endpoint
 from kvstack.frontend.admission import AdmissionController, AdmissionRejected
 from kvstack.frontend.fleet import Fleet
-from kvstack.frontend.routing import Picker, RouteRequest, decode_json, parse_route
+from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json, parse_route
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -258,8 +258,9 @@ class RouterApp:
                 model_label = route.model
             await self.admission.acquire()
             try:
-                profile, candidates = await self._candidates(route)
-                self.metrics.decision(profile, candidates[0])
+                decision = await self._candidates(route)
+                candidates = decision.candidates
+                self.metrics.decision(decision.profile, decision.target)
                 await self.proxy.forward(
                     conn,
                     request.headers,
@@ -300,7 +301,7 @@ class RouterApp:
             request.path, request.headers, raw, request_id, self.registry, self.config.session_headers
         )
 
-    async def _candidates(self, route: RouteRequest) -> tuple[str, list[str]]:
+    async def _candidates(self, route: RouteRequest) -> Decision:
         # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
         return await self.picker.pick(route, self.registry.states())
 
