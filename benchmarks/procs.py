@@ -86,6 +86,10 @@ class Group:
     def cpu_seconds(self) -> float:
         return sum(process_cpu_seconds(pid) for pid in self.pids())
 
+    def cpu_seconds_each(self) -> list[float]:
+        """CPU seconds of each started command (with what it forked into its group), in ``cmds`` order."""
+        return [sum(process_cpu_seconds(pid) for pid in group_pids(p.pid)) for p in self.procs]
+
     def exited(self) -> str | None:
         for p in self.procs:
             if p.poll() is not None:

@@ -1,51 +1,22 @@
-"""Router overhead against a zero-delay backend: kvstack router, vllm-router and sglang-router side by side.
+"""Router overhead against a zero-delay backend: kvstack router, Rust routers, Envoy with kvstack's picker.
 
-One run, one backend (``benchmarks/backend_zero.py``: answers at once, ``--backend-procs`` processes on one
-port), and every target in turn on free 127.0.0.1 ports, each in its own process group (stopped by that
-group's id):
+One run, one backend (``backend_zero.py``, ``--backend-procs`` processes on one port) and every target in turn
+on free 127.0.0.1 ports, each command in its own process group: ``direct`` (wrk to the backend, the floor),
+``kvstack`` and ``kvstack xW`` (``kvstack router``, 1 and W processes), ``vllm-router`` (default and ``rr``
+policy) and ``sglang-router`` from ``.venvs/peers`` (``peers.py``; installed only when chosen), and
+``envoy+kvstack-epp`` (``... cN``: Envoy ``--concurrency N`` asking one ``kvstack epp``;
+``router_overhead_envoy.py``). ``--targets`` runs a subset (direct always runs).
 
-- ``direct``: wrk straight to the backend (the floor every router adds to);
-- ``kvstack``: ``kvstack router --engine <backend>`` (default routing preset), one process;
-- ``kvstack xW``: ``kvstack router --workers W`` (W processes sharing the port through SO_REUSEPORT);
-- ``vllm-router``: ``vllm-router==0.1.17``, default policy (``cache_aware``: it asks the engine's
-  ``/v1/completions/render`` for token ids before every request, as it would ask vLLM);
-- ``vllm-router rr``: the same with ``--policy round_robin`` (no render call: its bare proxy cost);
-- ``sglang-router``: ``sglang-router==0.3.2`` (``python -m sglang_router.launch_router``), default policy.
-
-The peers are Rust routers installed in ``.venvs/peers`` (created here when missing) and given no model or
-tokenizer path: nothing is downloaded. wrk comes from Debian (installed here with apt-get when missing).
-
-Per target and response kind (``plain`` JSON, ``stream`` = 64 SSE chunks + ``[DONE]``, each its own
-socket write on the backend):
-
-1. *low load*: wrk ``-c 4`` with a Lua ``delay()`` think time calibrated so that the offered rate is
-   ``--rate`` (500 req/s, plain) or ``--stream-rate`` (100 req/s, stream); latency percentiles from wrk's
-   histogram; *added* latency = target percentile - direct percentile;
-2. *throughput*: wrk ``-c 64``, no think time, requests/s.
-
-Then *interleaved latency rounds* (``--latency-rounds``, 5): every target runs at once, and each round
-measures the low plain load on direct and on every target one after the other (``--round-duration`` s
-each, the order rotating), so a noisy minute on this shared machine falls on all of them alike. The added
-p99 the verdict reads is the median over rounds of (target p99 - direct p99 of the same round).
-Each round starts with 3 s of an idle event loop's 1 ms timer (``machine_info.timer_wakeup_lag``): its
-p99 lag is the machine's own wake-up floor in that minute, shown under the rounds.
-
-Each run also records the CPU seconds of the target's processes, the backend's, wrk's and the machine's
-busy share (``/proc``): load generator, routers and backend share the machine's cores, so the CPU cost per
-request is the comparison that contention distorts least. The backend counts the requests it answered by
-path, so upstream calls per client request are checked, not assumed.
-
-Last, *memory*: a fresh one-process ``kvstack router`` serves ``--rss-requests`` (200k) requests (wrk
-``-c 64``, every ``--rss-stream-every``-th request streamed) while its RSS is sampled from
-``/proc/<pid>/status``; flat means every sample after warm-up within +-10% of the first.
-
-Bounded: all traffic on 127.0.0.1, every wrk run has ``-d`` and a subprocess timeout, every HTTP check a
-timeout, and the run skips what is left once ``--deadline`` (900 s) is near. Results: a table on stdout and
-``bench-results/router_overhead.json``; logs and the Lua script in ``bench-results/router_overhead/``.
-
-The current result, its command, machine and limits: ``docs/benchmarks/router-overhead.md``.
+Per target, plain and 64-chunk streamed completions: wrk ``-c 4`` at ``--rate``/``--stream-rate`` (added
+latency = target - direct) and ``-c 64`` (2xx requests/s), with CPU per request from ``/proc`` (per process
+for Envoy and its picker). Then interleaved latency rounds (every target at 500 req/s in rotating order, the
+machine's idle-timer lag first) and, with ``kvstack`` chosen, a ``--rss-requests`` memory soak. Every run is
+bounded (``-d``, timeouts, ``--deadline``). Results: tables on stdout, ``bench-results/router_overhead.json``,
+logs in ``bench-results/router_overhead/``; what each number means and the current result:
+``docs/benchmarks/router-overhead.md``.
 
     .venvs/dev/bin/python benchmarks/router_overhead.py [--quick] [--skip-peers] [--workers 2]
+        [--targets kvstack,vllm-router-rr,envoy+kvstack-epp] [--envoy-concurrency 1,2] [--epp-transport T]
 """
 
 # kvstack ships no py.typed marker, so mypy run on this file alone would refuse its (typed) modules.
@@ -59,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +39,16 @@ from peers import ensure_peers, ensure_wrk
 from procs import DEV_BIN, KVSTACK, REPO, Group
 from results import write_json
 from rich.console import Console
-from router_overhead_report import results_table, rounds_table, runs_table, summarize, targets_verdict
+from router_overhead_envoy import envoy_target, envoy_version, picker_transport
+from router_overhead_report import (
+    envoy_table,
+    envoy_verdict,
+    results_table,
+    rounds_table,
+    runs_table,
+    summarize,
+    targets_verdict,
+)
 from router_overhead_targets import (
     Target,
     kvstack_target,
@@ -103,16 +84,10 @@ def run(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> None
     )
     out["lua_script"] = str(lua)
 
-    targets: list[Target | None] = [None, kvstack_target(1)]
-    if args.workers > 1:
-        targets.append(kvstack_target(args.workers))
-    if not args.skip_peers:
-        peers_python = ensure_peers(console, not args.no_install)
-        targets += [
-            vllm_router_target(peers_python, None),
-            vllm_router_target(peers_python, "round_robin"),
-            sglang_router_target(peers_python),
-        ]
+    targets: list[Target | None] = [None, *chosen_targets(args, console)]
+    out["target_keys"] = [t.key for t in targets if t is not None]
+    if any(t is not None and t.processes for t in targets):
+        out["envoy"] = {"version": envoy_version(), "epp_transport": args.epp_transport}
 
     backend_cmd = [str(DEV_BIN / "python"), str(BACKEND), "--port", "0", "--procs", str(args.backend_procs)]
     backend_cmd += ["--chunks", str(CHUNKS)]
@@ -133,7 +108,9 @@ def run(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> None
             )
         elif args.latency_rounds:
             out["skipped"].append("latency rounds")
-        if args.rss_requests and time_left() > 40:
+        if args.rss_requests and "kvstack" not in out["target_keys"]:
+            out["skipped"].append("rss (kvstack not among --targets)")
+        elif args.rss_requests and time_left() > 40:
             console.print(f"memory: kvstack router, up to {args.rss_requests} requests ...")
             out["rss"] = rss_soak(
                 wrk=wrk,
@@ -150,6 +127,32 @@ def run(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> None
             out["skipped"].append("rss")
     finally:
         backend.stop()
+
+
+PEER_KEYS = ("vllm-router", "vllm-router-rr", "sglang-router")
+
+
+def chosen_targets(args: argparse.Namespace, console: Console) -> list[Target]:
+    """The targets ``--targets`` names (default: every one the other flags allow), in run order; the peers
+    are installed only when one of them is chosen."""
+    makers: dict[str, Callable[[Path], Target]] = {"kvstack": lambda _: kvstack_target(1)}
+    if args.workers > 1:
+        makers[f"kvstack-x{args.workers}"] = lambda _: kvstack_target(args.workers)
+    if not args.skip_peers:
+        makers["vllm-router"] = lambda peers: vllm_router_target(peers, None)
+        makers["vllm-router-rr"] = lambda peers: vllm_router_target(peers, "round_robin")
+        makers["sglang-router"] = sglang_router_target
+    envoys = {t.key: t for t in (envoy_target(c, args.epp_transport) for c in args.envoy_concurrency)}
+    keys = [*makers, *envoys]
+    if args.targets is not None:
+        unknown = [k for k in args.targets if k not in keys and k != "direct"]
+        if unknown:
+            raise SystemExit(
+                f"--targets: no target {', '.join(unknown)} in this run; choose from {','.join(keys)}"
+            )
+        keys = [k for k in keys if k in args.targets]
+    peers = ensure_peers(console, not args.no_install) if set(keys) & set(PEER_KEYS) else Path()
+    return [envoys[k] if k in envoys else makers[k](peers) for k in keys]
 
 
 def _wait_banner(group: Group, pattern: str, budget_s: float) -> str:
@@ -176,6 +179,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--workers", type=int, default=2, help="processes of the 'kvstack xW' target (1 = none)"
     )
+    parser.add_argument(
+        "--targets",
+        type=lambda text: [k.strip() for k in text.split(",") if k.strip()],
+        default=None,
+        help="comma-separated subset: kvstack, kvstack-xW, vllm-router, vllm-router-rr, sglang-router, "
+        "envoy+kvstack-epp, envoy+kvstack-epp-cN (default all; direct always runs)",
+    )
+    parser.add_argument(
+        "--envoy-concurrency",
+        type=lambda text: [int(c) for c in text.split(",")],
+        default=[1, 2],
+        help="Envoy --concurrency of each envoy+kvstack-epp target (comma-separated; default 1,2)",
+    )
+    parser.add_argument(
+        "--epp-transport",
+        default=None,
+        help="kvstack epp --transport of the Envoy targets (default: kvstack epp's default)",
+    )
     parser.add_argument("--backend-procs", type=int, default=2, help="backend_zero processes (SO_REUSEPORT)")
     parser.add_argument("--rate", type=float, default=500.0, help="offered req/s of the low-load plain runs")
     parser.add_argument("--stream-rate", type=float, default=100.0, help="offered req/s of low-load streams")
@@ -190,10 +211,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rss-warmup", type=int, default=10_000, help="requests before the RSS baseline")
     parser.add_argument("--rss-stream-every", type=int, default=8, help="every Nth soak request streams")
     parser.add_argument("--rss-budget", type=float, default=240.0, help="seconds the memory soak may take")
-    parser.add_argument("--deadline", type=float, default=900.0, help="seconds the whole run may take")
+    parser.add_argument("--deadline", type=float, default=1200.0, help="seconds the whole run may take")
     parser.add_argument("--results", type=Path, default=REPO / "bench-results" / "router_overhead.json")
     args = parser.parse_args(argv)
     args.results = args.results.resolve()
+    args.epp_transport = picker_transport(args.epp_transport)
     if args.quick:
         args.low_duration, args.max_duration, args.warmup = 4.0, 3.0, 1.0
         args.rss_requests, args.rss_warmup, args.rss_budget = 20_000, 2_000, 60.0
@@ -235,10 +257,14 @@ def main(argv: list[str] | None = None) -> int:
     names = [t["name"] for t in out["targets"]]
     rows = summarize(out["runs"], names)
     verdict = targets_verdict(rows, args.rate, out["rounds"])
+    envoy = envoy_verdict(rows, args.rate, out["rounds"])
+    verdict.update(envoy)
     console.print(runs_table(out["runs"]))
     console.print(results_table(rows, args.rate, args.stream_rate))
     if out["rounds"]:
         console.print(rounds_table(out["rounds"]))
+    if any(name.startswith("envoy") for name in names):
+        console.print(envoy_table(rows, args.rate, envoy, out["rounds"]))
     for t in out["targets"]:
         if t.get("failure") or t.get("failures") or t.get("responses_check", "ok") != "ok":
             console.print(
@@ -265,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         "setup": {
             "backend": out.get("backend_command"),
             "wrk": out.get("wrk"),
+            "envoy": out.get("envoy"),
             "lua_script": out.get("lua_script"),
             "plain_body": PLAIN_BODY.decode(),
             "stream_body": STREAM_BODY.decode(),

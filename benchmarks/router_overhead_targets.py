@@ -2,7 +2,8 @@
 
 A `Target` starts its processes against the backend's URL and returns their group and its own URL:
 kvstack router (one process or ``--workers W``), vllm-router (default policy or round-robin) and
-sglang-router from ``.venvs/peers``. ``measure_target`` runs the low-load and ``-c 64`` runs on one target;
+sglang-router from ``.venvs/peers`` (Envoy with kvstack's picker: ``router_overhead_envoy.py``).
+``measure_target`` runs the low-load and ``-c 64`` runs on one target;
 ``latency_rounds`` measures every target at the low plain rate in rotating rounds; ``rss_soak`` samples a
 fresh kvstack router's RSS under a long mixed load.
 """
@@ -44,6 +45,12 @@ class Target:
     name: str
     start: Callable[[str, Path], tuple[Group, str]]  # (backend url, log dir) -> (processes, base url)
     note: str
+    processes: tuple[str, ...] = ()  # names of the group's commands, in order, to report CPU per process
+
+    @property
+    def key(self) -> str:
+        """The name ``--targets`` takes: spaces as hyphens."""
+        return self.name.replace(" ", "-")
 
 
 def kvstack_target(workers: int) -> Target:
@@ -266,6 +273,7 @@ def measure_target(
                 rate=rate,
                 warmup_s=args.warmup,
                 log=log,
+                processes=target.processes if target else (),
             )
             out["runs"].append(asdict(r))
             if r.failure or r.errors:
@@ -299,13 +307,13 @@ def latency_rounds(
         for target in targets:
             if target is None:
                 continue
-            group, url = target.start(backend_url, logs)
-            ok, _, last = wait_serving(url, group, 30)
+            started, url = target.start(backend_url, logs)
+            ok, _, last = wait_serving(url, started, 30)
             if not ok:
                 console.print(f"[yellow]latency rounds: {target.name} not serving ({last}); left out[/]")
-                group.stop()
+                started.stop()
                 continue
-            running.append((target.name, group, url))
+            running.append((target.name, started, url))
         log = logs / "wrk-rounds.log"
         for i in range(args.latency_rounds):
             if time_left() < 30 + len(running) * (args.round_duration + args.warmup + 2):

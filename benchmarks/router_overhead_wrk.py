@@ -2,8 +2,9 @@
 
 ``LUA_SCRIPT`` makes wrk send plain, streamed or mixed completions, with a think time for a set rate.
 ``measure`` warms up (calibrating the think time to the rate), waits until the target serves again, then
-records one `Run`: wrk's latency summary, the CPU of the target, the backend, wrk and the whole machine, and
-the backend's upstream calls per client request (``backend_zero_requests_total``).
+records one `Run`: wrk's latency summary, the CPU of the target (and of each of its processes, when named),
+the backend, wrk and the whole machine, and the backend's upstream calls per client request
+(``backend_zero_requests_total``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import resource
 import shlex
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,6 +184,8 @@ class Run:
     wrk_cpu_s: float = 0.0
     machine_busy_pct: float = 0.0
     target_cpu_us_per_req: float | None = None
+    cpu_s_by_process: dict[str, float] = field(default_factory=dict)  # targets of several processes
+    cpu_us_per_req_by_process: dict[str, float] = field(default_factory=dict)
     upstream_per_req: dict[str, float] = field(default_factory=dict)
     command: str = ""
     failure: str | None = None
@@ -245,8 +249,10 @@ def measure(
     rate: float | None,
     warmup_s: float,
     log: Path,
+    processes: Sequence[str] = (),
 ) -> Run:
-    """Warm up (and calibrate the think time for ``rate``), then one measured wrk run."""
+    """Warm up (and calibrate the think time for ``rate``), then one measured wrk run; with ``processes``
+    (names of ``group``'s commands) the target's CPU also per process."""
     think = 1000.0 * connections / rate if rate else 0.0
     warm, _, _ = run_wrk(
         wrk, lua, url, mode=kind, connections=connections, duration_s=warmup_s, think_ms=think, log=log
@@ -264,6 +270,7 @@ def measure(
             return run
     counts0 = backend_counts(backend_url)
     cpu0 = group.cpu_seconds() if group else 0.0
+    each0 = group.cpu_seconds_each() if group and processes else []
     back0, wrk0 = backend.cpu_seconds(), children_cpu_seconds()
     busy0, all0 = machine_cpu_ticks()
     summary, run.command, text = run_wrk(
@@ -271,6 +278,9 @@ def measure(
     )
     busy1, all1 = machine_cpu_ticks()
     run.target_cpu_s = round((group.cpu_seconds() - cpu0) if group else 0.0, 2)
+    if group and processes:
+        each1 = group.cpu_seconds_each()
+        run.cpu_s_by_process = {n: round(b - a, 3) for n, a, b in zip(processes, each0, each1, strict=True)}
     run.backend_cpu_s = round(backend.cpu_seconds() - back0, 2)
     run.wrk_cpu_s = round(children_cpu_seconds() - wrk0, 2)
     run.machine_busy_pct = round(100 * (busy1 - busy0) / max(1, all1 - all0), 1)
@@ -289,6 +299,9 @@ def measure(
     if run.requests:
         if group is not None:
             run.target_cpu_us_per_req = round(1e6 * run.target_cpu_s / run.requests, 1)
+        run.cpu_us_per_req_by_process = {
+            n: round(1e6 * s / run.requests, 1) for n, s in run.cpu_s_by_process.items()
+        }
         for key, n in counts1.items():
             delta = n - counts0.get(key, 0)
             if delta and key.startswith("POST"):

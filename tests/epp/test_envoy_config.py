@@ -153,6 +153,17 @@ def test_no_overall_timeout_on_a_streaming_response_only_an_idle_one() -> None:
     assert manager["stream_idle_timeout"] == "120s"
 
 
+def test_access_log_on_stdout_by_default_and_off_when_asked() -> None:
+    def manager(options: EnvoyOptions) -> dict[str, Any]:
+        listener = bootstrap(options)["static_resources"]["listeners"][0]
+        return dict(listener["filter_chains"][0]["filters"][0]["typed_config"])
+
+    (log,) = manager(EnvoyOptions(pickers=PICKERS))["access_log"]
+    assert log["name"] == "envoy.access_loggers.stdout"
+    assert "picked=%DYNAMIC_METADATA(envoy.lb:x-gateway-destination-endpoint)%" in json.dumps(log)
+    assert "access_log" not in manager(EnvoyOptions(pickers=PICKERS, access_log=False))
+
+
 @pytest.mark.parametrize(
     ("body_mode", "envoy_mode", "trailers"),
     [
@@ -231,3 +242,9 @@ def test_real_envoy_accepts_every_combination(
     result = validate(write_config(bootstrap(options), tmp_path / "envoy.yaml"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "OK" in result.stdout + result.stderr
+
+
+def test_real_envoy_accepts_no_access_log(tmp_path: Path) -> None:
+    options = EnvoyOptions(pickers=PICKERS, engines=ENGINES["ips"], access_log=False)
+    result = validate(write_config(bootstrap(options), tmp_path / "envoy.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr

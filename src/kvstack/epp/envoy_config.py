@@ -12,8 +12,9 @@ when the picker named no known engine. Without, ORIGINAL_DST serves the header's
 way ``envoy.lb``/``x-gateway-destination-endpoint-served`` says which address served; the picker gets it with
 the response headers (and ``envoy.lb.subset_hint``, when a gateway set one, with the request). The picker gets
 the request body as ``body_mode`` says (buffered by default, up to ``max_request_bytes``); ``response_usage``
-adds the response body and trailers. No overall timeout: ``idle_timeout_s`` ends a silent stream. Reasons:
-docs/design/envoy-front-end.md.
+adds the response body and trailers. No overall timeout: ``idle_timeout_s`` ends a silent stream. Each
+request is logged on Envoy's stdout (picked and served address, attempts) unless ``access_log`` is off.
+Reasons: docs/design/envoy-front-end.md.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ class EnvoyOptions:
     response_usage: bool = False
     retries: int = 2
     idle_timeout_s: float = 300.0
+    access_log: bool = True  # one line per request on Envoy's stdout
 
     def validate(self) -> EnvoyOptions:
         if not self.pickers:
@@ -129,7 +131,7 @@ def _listener(options: EnvoyOptions) -> dict[str, Any]:
         "codec_type": "AUTO",
         "use_remote_address": True,
         "stream_idle_timeout": _seconds(options.idle_timeout_s),
-        "access_log": [_access_log()],
+        **({"access_log": [_access_log()]} if options.access_log else {}),
         "route_config": {"name": "openai", "virtual_hosts": [_virtual_host(options)]},
         "local_reply_config": _openai_local_replies(),
         "http_filters": filters,
