@@ -137,7 +137,7 @@ def test_registry_has_every_builtin_with_a_docstring_formula() -> None:
         "active-requests-scorer", "session-affinity-scorer", "least-qps-scorer",
         "precise-prefix-scorer", "approximate-prefix-scorer", "no-hit-lru-scorer",
         "max-score-picker", "random-picker", "weighted-random-picker", "round-robin-picker",
-        "power-of-two-picker", "single-profile-handler",
+        "power-of-two-picker", "single-profile-handler", "role-filter", "pd-profile-handler",
     }  # fmt: skip
     assert set(registry.types) == expected
     for plugin_type in registry.types.values():

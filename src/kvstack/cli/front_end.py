@@ -89,7 +89,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="auto (kv-aware while some engine publishes KV events, else default; in kvstack epp their "
         "-replicas variants), a preset (default, kv-aware, prefix, round-robin, session, least-load, "
-        "power-of-two, kv-aware-replicas, default-replicas) or a YAML config file",
+        "power-of-two, kv-aware-replicas, default-replicas, pd) or a YAML config file",
     )
     g.add_argument(
         "--session-header",

@@ -48,6 +48,15 @@ class PrefixView:
     def any_hit(self) -> bool:
         return any(t and t[-1] > 0 for t in self.precise.values()) or any(self.approximate.values())
 
+    def cached_tokens(self, engine: EngineState, use_approximate: bool = True) -> int:
+        """Prompt tokens ``engine`` need not compute: its longest prefix at any tier, or, for an engine
+        without KV events and with ``use_approximate``, the router's history guess when that is longer."""
+        tiers = self.precise.get(engine.url)
+        cached = tiers[-1] if tiers else 0
+        if use_approximate and engine.knowledge != "kv-events":
+            cached = max(cached, self.approximate.get(engine.url, 0))
+        return cached
+
 
 @dataclass(frozen=True, slots=True)
 class SchedulingRequest:
@@ -127,6 +136,23 @@ class CycleState:
         if self._data is None:
             self._data = {}
         self._data[key] = value
+
+
+# Prompt tokens each engine a prefix scorer scored holds in cache, by URL, as that scorer credited them:
+# what a P/D profile handler subtracts from the prompt to decide whether to prefill elsewhere.
+CACHED_PROMPT_TOKENS: StateKey[dict[str, int]] = StateKey("cached-prompt-tokens")
+
+
+def record_cached(state: CycleState, credited: Mapping[str, int]) -> None:
+    """Add a prefix scorer's credits to CACHED_PROMPT_TOKENS; when two scorers credit one engine, the
+    longer credit stands."""
+    cached = state.get(CACHED_PROMPT_TOKENS)
+    if cached is None:
+        state.set(CACHED_PROMPT_TOKENS, dict(credited))
+        return
+    for url, tokens in credited.items():
+        if tokens > cached.get(url, -1):
+            cached[url] = tokens
 
 
 class Plugin(ABC):
@@ -233,9 +259,9 @@ class ProfileHandler(Plugin):
     """Chooses which profiles run, and in which rounds, and combines their results.
 
     The scheduler loop: ``names = pick(profiles, results)``; run those profiles; repeat until ``pick``
-    returns nothing; then ``process_results``. A decode-first P/D handler returns ["decode"] first, then,
-    if a prefill decider (e.g. uncached prompt tokens >= a threshold, read from CycleState) says so,
-    ["prefill"], and finally a result with primary "decode" and prefill "prefill".
+    returns nothing; then ``process_results``. pd-profile-handler returns ["decode"] first, then, when the
+    prompt's tokens uncached on the decode choice (read from CycleState) reach a threshold, ["prefill"],
+    and finally a result with primary "decode" and prefill "prefill".
     """
 
     kind: ClassVar[str] = "profile-handler"

@@ -22,7 +22,7 @@ class Param:
 
     key: str
     arg: str
-    type: type  # int, float, bool or str; a float parameter also accepts an integer
+    type: type  # int, float, bool, str or list; a float parameter also accepts an integer
     default: Any
     expect: str  # what a valid value looks like, for the error message: "a number >= 0"
     check: Callable[[Any], bool] | None = None

@@ -20,6 +20,10 @@
   where its hash sends it. ``kvstack epp``'s "auto" choice once some engine publishes KV events.
 - default-replicas: default with the same hash tie-break; ``kvstack epp``'s "auto" choice while no engine
   publishes KV events.
+- pd: prefill/decode disaggregation by pd-profile-handler (threshold 256). Profile decode: role-filter
+  [decode, both], saturation-filter, total = 3 * precise-prefix + queue + kv-utilization + active-requests.
+  Profile prefill, run only when the decode choice lacks >= 256 of the prompt's tokens in cache: role-filter
+  [prefill], total = precise-prefix + queue + kv-utilization + active-requests. Max-score pickers.
 
 Why these weights: docs/design/scheduling.md; kv-aware against other routers: docs/benchmarks/kv-routing.md.
 """
@@ -186,6 +190,56 @@ schedulingProfiles:
   - pluginRef: max-score-picker
 """
 
+_PD = """\
+plugins:
+- type: pd-profile-handler
+  parameters:
+    threshold: 256
+- name: decode-filter
+  type: role-filter
+  parameters:
+    roles: [decode, both]
+- name: prefill-filter
+  type: role-filter
+  parameters:
+    roles: [prefill]
+- type: saturation-filter
+  parameters:
+    queueThreshold: 5
+    kvUsageThreshold: 0.8
+- type: precise-prefix-scorer
+- type: queue-scorer
+- type: kv-cache-utilization-scorer
+- type: active-requests-scorer
+- type: max-score-picker
+schedulingProfiles:
+- name: decode
+  plugins:
+  - pluginRef: decode-filter
+  - pluginRef: saturation-filter
+  - pluginRef: precise-prefix-scorer
+    weight: 3
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+- name: prefill
+  plugins:
+  - pluginRef: prefill-filter
+  - pluginRef: precise-prefix-scorer
+    weight: 1
+  - pluginRef: queue-scorer
+    weight: 1
+  - pluginRef: kv-cache-utilization-scorer
+    weight: 1
+  - pluginRef: active-requests-scorer
+    weight: 1
+  - pluginRef: max-score-picker
+"""
+
 _HASH_TIE_BREAK = """
   parameters:
     tieBreak: hash
@@ -204,6 +258,7 @@ PRESETS: Mapping[str, str] = MappingProxyType(
         "prefix": _PREFIX_TEMPLATE.format(prefix_scorer="approximate-prefix-scorer"),
         "kv-aware-replicas": _KV_AWARE_REPLICAS_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
         "default-replicas": _DEFAULT_TEMPLATE.format(picker_parameters=_HASH_TIE_BREAK),
+        "pd": _PD,
     }
 )
 

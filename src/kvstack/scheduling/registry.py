@@ -10,6 +10,7 @@ from collections.abc import Iterable, Mapping
 
 from kvstack.scheduling.filters.health import HealthFilter
 from kvstack.scheduling.filters.model import ModelFilter
+from kvstack.scheduling.filters.role import RoleFilter
 from kvstack.scheduling.filters.saturation import SaturationFilter
 from kvstack.scheduling.interfaces import Plugin
 from kvstack.scheduling.params import PluginConfigError
@@ -18,6 +19,7 @@ from kvstack.scheduling.pickers.power_of_two import PowerOfTwoPicker
 from kvstack.scheduling.pickers.random_picker import RandomPicker
 from kvstack.scheduling.pickers.round_robin import RoundRobinPicker
 from kvstack.scheduling.pickers.weighted_random import WeightedRandomPicker
+from kvstack.scheduling.profile_handlers.pd import PDProfileHandler
 from kvstack.scheduling.profile_handlers.single import SingleProfileHandler
 from kvstack.scheduling.scorers.active_requests import ActiveRequestsScorer
 from kvstack.scheduling.scorers.approximate_prefix import ApproximatePrefixScorer
@@ -34,6 +36,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     ModelFilter,
     HealthFilter,
     SaturationFilter,
+    RoleFilter,
     QueueScorer,
     RunningRequestsScorer,
     KVCacheUtilizationScorer,
@@ -50,6 +53,7 @@ BUILTIN_PLUGINS: tuple[type[Plugin], ...] = (
     RoundRobinPicker,
     PowerOfTwoPicker,
     SingleProfileHandler,
+    PDProfileHandler,
 )
 
 

@@ -7,11 +7,7 @@ Parameters: none. Cost: one profile run.
 When to use: every configuration without prefill/decode disaggregation (the default when a config names
 no handler).
 
-Extension point for P/D: a decode-first handler implements the same two methods. ``pick`` returns
-["decode"] first; once the decode result exists it asks a prefill decider (e.g. uncached prompt tokens
->= a threshold, using what the prefix scorer left in CycleState) and returns ["prefill"] or nothing;
-``process_results`` returns SchedulingResult(primary_profile="decode", prefill_profile="prefill" or None).
-``check_profiles`` requires both profiles to exist.
+For P/D disaggregation, see pd-profile-handler.
 """
 
 from __future__ import annotations

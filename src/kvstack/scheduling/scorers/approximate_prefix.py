@@ -3,7 +3,8 @@
 Formula: score = a / P, with P the prompt tokens and a the longest prefix of the prompt (in the router's
 history block size) that the router sent to the engine within the history's TTL (``PrefixView.approximate``).
 The history is the router's own and bounded per engine (LRU with a TTL): it cannot see evictions inside
-the engine, so it guesses; /engines shows such engines with routing knowledge "approximate".
+the engine, so it guesses; /engines shows such engines with routing knowledge "approximate". Each
+engine's ``a`` is left in CycleState (``CACHED_PROMPT_TOKENS``) for pd-profile-handler.
 
 Parameters: none. Cost: O(candidates); the history lookup is done once per request before scheduling.
 When to use: engines that publish no KV events (preset ``prefix``); with events, precise-prefix-scorer
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, Scorer
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, Scorer, record_cached
 
 
 class ApproximatePrefixScorer(Scorer):
@@ -30,4 +31,6 @@ class ApproximatePrefixScorer(Scorer):
         if view is None or view.prompt_tokens <= 0:
             return {}
         sent = view.approximate
-        return {e.url: sent.get(e.url, 0) / view.prompt_tokens for e in candidates}
+        cached = {e.url: sent.get(e.url, 0) for e in candidates}
+        record_cached(state, cached)
+        return {url: tokens / view.prompt_tokens for url, tokens in cached.items()}

@@ -5,7 +5,8 @@ consecutive prompt prefix the engine has at tier t or better (gpu, cpu, disk, re
 cache-tier events, see ``PrefixView``): a prompt fully in GPU blocks scores 1, lower tiers count for less.
 An engine without events (``knowledge != "kv-events"``) scores, with ``useApproximate`` on,
 max(approximateWeight * a / P, the formula over what cache servers hold for it), a = the prefix tokens the
-router recently sent there.
+router recently sent there. Each engine's cached prompt tokens (the longest prefix at any tier, or that
+guess) are left in CycleState (``CACHED_PROMPT_TOKENS``) for pd-profile-handler.
 
 Parameters: every weight is a number in [0, 1].
   gpuWeight (default 1.0)          tokens in the engine's own blocks
@@ -26,7 +27,7 @@ from collections.abc import Sequence
 from typing import ClassVar
 
 from kvstack.engines.state import EngineState
-from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, Scorer
+from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, Scorer, record_cached
 from kvstack.scheduling.params import Param
 
 
@@ -70,8 +71,10 @@ class PrecisePrefixScorer(Scorer):
             return {}
         total = view.prompt_tokens
         out: dict[str, float] = {}
+        cached: dict[str, int] = {}
         for engine in candidates:
             url = engine.url
+            cached[url] = view.cached_tokens(engine, self.use_approximate)
             tiers = view.precise.get(url)
             score = 0.0
             if tiers is not None:
@@ -85,4 +88,5 @@ class PrecisePrefixScorer(Scorer):
             elif tiers is None:
                 continue
             out[url] = score
+        record_cached(state, cached)
         return out
