@@ -171,16 +171,18 @@ class SchedulerPicker:
                 served = sorted({m for s in states for m in s.endpoint.models})
                 raise errors.not_found_model(model, served) from None
             raise errors.service_unavailable(str(exc)) from None
+        prefill = []
+        if result.prefill_profile is not None:
+            prefill = [e.url for e in result.profiles[result.prefill_profile].targets]
         if lookup is not None and self.locator is not None:
             self.locator.record(result.target.url, lookup, now)
+            if prefill:  # the prefill engine computes the prompt too (history for engines without events)
+                self.locator.record(prefill[0], lookup, now)
         ordered = [result.target.url, *(e.url for e in result.fallbacks)]
         # Retries may go beyond what the profile kept (for example engines a saturation filter set aside):
         # a busy engine is a better answer than an error. Prefill-only engines never serve whole requests.
         chosen = set(ordered)
         ordered += [s.url for s in states if s.url not in chosen and _may_serve(s, model)]
-        prefill = []
-        if result.prefill_profile is not None:
-            prefill = [e.url for e in result.profiles[result.prefill_profile].targets]
         return Decision(result.primary_profile, ordered, prefill)
 
 
