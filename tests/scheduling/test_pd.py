@@ -288,7 +288,7 @@ async def test_pd_preset_long_cold_prompt_is_prefilled_on_a_prefill_engine() -> 
     locator = FixedPrefix()
     decision = await decide(fleet(), 1000, locator)
     assert decision == Decision("decode", ["http://dec", "http://both"], ["http://pre2", "http://pre1"])
-    assert locator.recorded == ["http://dec"]
+    assert locator.recorded == ["http://dec", "http://pre2"]  # both compute the prompt
 
 
 async def test_pd_preset_short_prompt_is_decoded_alone() -> None:
