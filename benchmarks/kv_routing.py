@@ -1,4 +1,4 @@
-"""KV-aware routing experiment: six routers, one seeded workload, fresh simulated engines for each.
+"""KV-aware routing experiment: seven routers, one seeded workload, fresh simulated engines for each.
 
 Question (from the issue): with 4-8 engines whose KV capacity is smaller than the working set, how do
 kvstack's routing policies compare with the Rust routers' ``cache_aware`` and with an oracle that knows
@@ -6,6 +6,9 @@ every engine's cache? Routers, each run alone against a FRESH ``kvstack sim --en
 caches, counters from zero), on free 127.0.0.1 ports, each in its own process group (stopped by that id):
 
 - ``kvstack kv-aware``: ``kvstack router --routing kv-aware`` (KV events from the sims' /kv_event_sources);
+- ``envoy kv-aware``: real Envoy (``--concurrency 1``) asking ``kvstack epp --routing kv-aware`` (the same
+  scheduling as the proxy, KV events likewise), bootstrap from ``kvstack.epp.envoy_config`` with the engines
+  listed (the picker's fallbacks for Envoy's retries);
 - ``kvstack prefix``: ``--routing prefix --no-kv-events`` (approximate: the router's own routing history,
   what the preset is for: engines that publish no events);
 - ``kvstack round-robin``: ``--routing round-robin`` (the baseline of the TTFT ratio);
@@ -18,17 +21,21 @@ caches, counters from zero), on free 127.0.0.1 ports, each in its own process gr
 The Rust routers get no model or tokenizer path and run with ``HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1``.
 Every router is ready before load starts: /v1/models answers (and lists the model, or for sglang-router
 its Prometheus gauge shows every worker healthy); a kvstack router's /engines shows fresh metrics for
-every engine, and kv-aware's shows ``routing_knowledge: kv-events`` and a connected subscriber for all.
+every engine, and kv-aware's shows ``routing_knowledge: kv-events`` and a connected subscriber for all;
+for Envoy the picker's /engines says the same, Envoy's admin /ready answers and /v1/models passes through.
 
 Workload: ``MultiRoundQA`` (``kvstack.bench``), chat API, streaming, ``ignore_eos``, Poisson arrivals, the
 same seed for every router. The number of users is odd on purpose: with U users a multiple of the
 engine count, plain round-robin would send every round of a user to the same engine by accident.
 Engine-side numbers (prefix-cache hit rate in tokens, finished requests per engine) come from the sims'
-/metrics read before and after each run; the ``x-kvstack-engine`` header (kvstack only) and
+/metrics read before and after each run; the served engine's response header (``x-kvstack-engine`` from
+kvstack's router, ``x-gateway-destination-endpoint-served`` from Envoy) and
 ``usage.prompt_tokens_details.cached_tokens`` (every router) give the per-request view.
 
 Targets (for ``kvstack kv-aware``): hit rate >= 0.95 x the oracle's; TTFT p50 <= 0.5 x round-robin's;
 hit rate >= 1.2 x and TTFT p90 below each Rust router's ``cache_aware``; max engine share <= 1.3 x mean.
+For ``envoy kv-aware``: hit rate >= 0.97 x the proxy's (``kvstack kv-aware``); TTFT p50 <= 0.5 x
+round-robin's.
 
 Output: ``.cache/bench/kv_routing/<UTC timestamp>/``: ``results.json`` (everything), ``results.md`` (the
 tables as markdown), per router a ``kvstack.bench`` report directory (requests.csv, summary.json, PNGs),
@@ -36,9 +43,10 @@ tables as markdown), per router a ``kvstack.bench`` report directory (requests.c
 
 The current result, its command, machine and limits: ``docs/benchmarks/kv-routing.md``.
 
-    .venvs/dev/bin/python benchmarks/kv_routing.py            # ~7.5 min
+    .venvs/dev/bin/python benchmarks/kv_routing.py            # ~8.5 min
     .venvs/dev/bin/python benchmarks/kv_routing.py --quick    # ~2 min smoke run
     .venvs/dev/bin/python benchmarks/kv_routing.py --kv-routing least-qps --routers kv-aware,oracle
+    .venvs/dev/bin/python benchmarks/kv_routing.py --routers kv-aware,envoy-kv-aware   # ~2.5 min
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ from typing import Any
 from kv_routing_report import (
     BASELINE,
     evaluate,
+    evaluate_envoy,
     markdown,
     ms,
     pct,
@@ -66,7 +75,7 @@ from kv_routing_report import (
     summary_png,
     verdict_line,
 )
-from kv_routing_routers import MODEL, Target, kvstack_target, oracle_target, peer_target
+from kv_routing_routers import MODEL, Target, envoy_target, kvstack_target, oracle_target, peer_target
 from kv_routing_run import FULL, QUICK, run_target, working_set
 from machine_info import machine
 from peers import PEER_VERSIONS, ensure_peers
@@ -77,8 +86,9 @@ from rich.console import Console
 from kvstack.bench import BenchResult, compare
 
 OUT_ROOT = REPO / ".cache" / "bench" / "kv_routing"
-ROUTERS = ("round-robin", "kv-aware", "prefix", "oracle", "vllm-router", "sglang-router")
+ROUTERS = ("round-robin", "kv-aware", "envoy-kv-aware", "prefix", "oracle", "vllm-router", "sglang-router")
 KV_AWARE = "kvstack kv-aware"
+ENVOY_KV_AWARE = "envoy kv-aware"
 
 
 # Alternatives to the kv-aware preset's weights, tried with --kv-routing NAME (written to the run directory
@@ -186,6 +196,8 @@ def build_targets(
                     note=f"kvstack router --routing {args.kv_routing} (KV events)",
                 )
             )
+        elif name == "envoy-kv-aware":
+            out.append(envoy_target(ENVOY_KV_AWARE + suffix, kv_routing, model_dir))
         elif name == "prefix":
             note = "kvstack router --routing prefix --no-kv-events (routing history)"
             out.append(kvstack_target("kvstack prefix", "prefix", model_dir, kv_events=False, note=note))
@@ -285,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     suffix = "" if args.kv_routing == "kv-aware" else f" [{args.kv_routing}]"
     subject = KV_AWARE + suffix
     verdicts = {subject: evaluate(by_name, subject, "oracle" + suffix)}
+    if ENVOY_KV_AWARE + suffix in by_name:
+        verdicts[ENVOY_KV_AWARE + suffix] = evaluate_envoy(by_name, ENVOY_KV_AWARE + suffix, subject)
     if results:
         base = BASELINE if BASELINE in results else next(iter(results))
         compare(results, out_dir / "compare", baseline=base, console=console)

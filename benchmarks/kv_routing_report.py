@@ -3,7 +3,8 @@
 ``row_of`` reads a router's bench summary (engine-side hit rate, TTFT, load shares, preemptions);
 ``evaluate`` checks a kv-aware router against the oracle (hit rate >= 0.95 x), round-robin (TTFT p50 <=
 0.5 x), each Rust router's ``cache_aware`` (hit rate >= 1.2 x, TTFT p90 below) and its own balance (max
-engine share <= 1.3 x mean).
+engine share <= 1.3 x mean); ``evaluate_envoy`` checks Envoy's kv-aware against the proxy's (hit rate >=
+0.97 x) and round-robin (TTFT p50 <= 0.5 x).
 """
 
 from __future__ import annotations
@@ -56,9 +57,7 @@ def evaluate(rows: dict[str, dict[str, Any]], subject: str, oracle: str) -> list
     checks: list[dict[str, Any]] = []
 
     def check(name: str, value: float | None, ok: Callable[[float], bool], detail: str) -> None:
-        checks.append(
-            {"target": name, "value": value, "pass": None if value is None else ok(value), "detail": detail}
-        )
+        checks.append(_check(name, value, ok, detail))
 
     orc, rr = rows.get(oracle, {}), rows.get(BASELINE, {})
     check(
@@ -95,6 +94,29 @@ def evaluate(rows: dict[str, dict[str, Any]], subject: str, oracle: str) -> list
         "shares " + ", ".join(pct(x) for x in kv.get("shares") or []),
     )
     return checks
+
+
+def evaluate_envoy(rows: dict[str, dict[str, Any]], subject: str, proxy: str) -> list[dict[str, Any]]:
+    """Whether kv-aware routing through Envoy and the picker (``subject``) reaches the proxy's (``proxy``)."""
+    envoy, kv, rr = rows.get(subject, {}), rows.get(proxy, {}), rows.get(BASELINE, {})
+    return [
+        _check(
+            f"hit rate >= 0.97 x {proxy}'s",
+            ratio(envoy.get("hit_rate"), kv.get("hit_rate")),
+            lambda v: v >= 0.97,
+            f"{pct(envoy.get('hit_rate'))} vs {pct(kv.get('hit_rate'))}",
+        ),
+        _check(
+            "TTFT p50 <= 0.5 x round-robin's",
+            ratio(envoy.get("ttft_p50"), rr.get("ttft_p50")),
+            lambda v: v <= 0.5,
+            f"{ms(envoy.get('ttft_p50'))} vs {ms(rr.get('ttft_p50'))}",
+        ),
+    ]
+
+
+def _check(name: str, value: float | None, ok: Callable[[float], bool], detail: str) -> dict[str, Any]:
+    return {"target": name, "value": value, "pass": None if value is None else ok(value), "detail": detail}
 
 
 def pct(v: float | None) -> str:

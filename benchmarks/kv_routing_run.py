@@ -19,9 +19,18 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from kv_routing_routers import MODEL, Target, engine_extras, router_extras, wait_engines, wait_ready
+from kv_routing_routers import (
+    MODEL,
+    Launch,
+    Target,
+    engine_extras,
+    envoy_stats,
+    router_extras,
+    wait_engines,
+    wait_ready,
+)
 from machine_info import machine_cpu_ticks
-from procs import HOST, KVSTACK, OFFLINE, Group, free_port
+from procs import KVSTACK, OFFLINE, Group, free_port
 from rich.console import Console
 
 from kvstack.bench import BenchConfig, BenchResult, MultiRoundQA, run_bench, write_report
@@ -149,9 +158,9 @@ def working_set(s: Settings, model_dir: Path) -> dict[str, Any]:
 # -- per-request analysis -------------------------------------------------------------------------
 def request_view(records: Sequence[RequestRecord]) -> dict[str, Any]:
     """Cached-token ratio and TTFT by round (round 0 carries the user's whole history, later rounds only a
-    question on top of a context the engine that served the previous round holds); for kvstack routers
-    (x-kvstack-engine header) how often a later round went to the same engine as the round before, and
-    how many users each engine got at round 0."""
+    question on top of a context the engine that served the previous round holds); where the response
+    names the engine that served (kvstack's router, Envoy) how often a later round went to the same engine
+    as the round before, and how many users each engine got at round 0."""
     ok = [r for r in records if r.ok]
     out: dict[str, Any] = {}
     for label, rows in (("round0", [r for r in ok if r.round == 0]), ("later", [r for r in ok if r.round])):
@@ -189,15 +198,14 @@ def run_target(
     try:
         engines = wait_engines(sim, s.engines, 30)
         info["engines"] = engines
-        port, metrics_port = free_port(), free_port()
-        cmd = target.command(engines, port, metrics_port)
-        info["command"] = shlex.join(cmd)
+        launch = Launch(engines, free_port(), free_port(), free_port(), free_port(), logs)
+        cmds = target.commands(launch)
+        info["command"] = " & ".join(shlex.join(cmd) for cmd in cmds)
         env = OFFLINE if target.kind in ("vllm-router", "sglang-router") else None
-        router = Group.start(target.name, [cmd], logs / f"{slug}.log", env=env)
-        url = f"http://{HOST}:{port}"
-        info["startup_s"] = round(wait_ready(target, url, router, engines, metrics_port, 60), 1)
+        router = Group.start(target.name, cmds, logs / f"{slug}.log", env=env)
+        info["startup_s"] = round(wait_ready(target, launch, router, 60), 1)
         config = BenchConfig(
-            url=url,
+            url=launch.url,
             model=MODEL,
             workload=s.workload(),
             api="chat",
@@ -209,6 +217,7 @@ def run_target(
         )
         console.print(f"[bold]{target.name}[/]: {info['command']}")
         before = engine_extras(engines)
+        envoy_before = envoy_stats(launch) if target.kind == "envoy" else {}
         cpu = (sim.cpu_seconds(), router.cpu_seconds(), _self_cpu())
         busy0, all0 = machine_cpu_ticks()
         t0 = time.monotonic()
@@ -231,7 +240,7 @@ def run_target(
             }
             for b, a in zip(before, after, strict=True)
         ]
-        info["router"] = router_extras(target, url, metrics_port)
+        info["router"] = router_extras(target, launch, envoy_before)
         info["requests"] = request_view(result.records)
         write_report(result, out_dir / slug)
     except Exception as exc:  # one router failing must not lose the others' results

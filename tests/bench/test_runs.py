@@ -1,10 +1,11 @@
 """`kvstack bench` runs against real simulated engines (``kvstack sim`` subprocesses): multi-round QA, the
-completions API and a duration bound, failing requests, and the command line writing and comparing
-reports."""
+completions API and a duration bound, failing requests, the engine named by a response header, and the
+command line writing and comparing reports."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import urllib.request
@@ -18,6 +19,7 @@ from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_cli
 from support.engines import EngineProcess, start_sim
 from support.ports import free_port
+from support.routers import fake_engine
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +123,39 @@ async def test_failed_requests_are_recorded_and_the_run_finishes(
         _faults(legacy.url, "DELETE")
     assert dropped.summary["errors"] == 4
     assert all(r.status == 200 and r.ttft is not None and r.error for r in dropped.records)
+
+
+@pytest.mark.parametrize(
+    ("headers", "engine"),
+    [
+        ({"x-kvstack-engine": "http://10.0.0.1:8000"}, "http://10.0.0.1:8000"),
+        ({"x-gateway-destination-endpoint-served": "10.0.0.2:8000"}, "10.0.0.2:8000"),
+        (
+            {
+                "x-kvstack-engine": "http://10.0.0.1:8000",
+                "x-gateway-destination-endpoint-served": "10.0.0.9:1",
+            },
+            "http://10.0.0.1:8000",
+        ),
+        ({}, None),
+    ],
+)
+async def test_the_engine_that_served_comes_from_the_router_or_envoy_header(
+    headers: dict[str, str], engine: str | None
+) -> None:
+    stream = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'
+    head = "".join(f"{name}: {value}\r\n" for name, value in headers.items()).encode()
+
+    async def answer(writer: asyncio.StreamWriter) -> bool:
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n" + head)
+        writer.write(b"content-length: %d\r\n\r\n" % len(stream) + stream)
+        return True
+
+    workload = LongDocQA(documents=1, document_len=10, questions_per_document=1, answer_len=1, qps=0)
+    async with fake_engine(answer) as url:
+        (record,) = (await run_bench(BenchConfig(url=url, model="tiny", workload=workload))).records
+    assert record.ok, record.error
+    assert record.engine == engine
 
 
 def _faults(url: str, method: str, body: dict[str, float] | None = None) -> None:

@@ -186,6 +186,21 @@ def test_options_fail_open_response_usage_message_timeout() -> None:
     assert (mode["response_body_mode"], mode["response_trailer_mode"]) == ("STREAMED", "SEND")
 
 
+@pytest.mark.parametrize("engines", [(), ("10.0.1.1:8000",)])
+def test_the_response_names_the_upstream_that_served_unless_served_header_is_off(
+    tmp_path: Path, engines: tuple[str, ...]
+) -> None:
+    (added,) = route(bootstrap(EnvoyOptions(pickers=PICKERS, engines=engines)))["response_headers_to_add"]
+    assert added == {
+        "header": {"key": "x-gateway-destination-endpoint-served", "value": "%UPSTREAM_HOST%"},
+        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+    }
+    off = bootstrap(EnvoyOptions(pickers=PICKERS, engines=engines, served_header=False))
+    assert "response_headers_to_add" not in route(off)
+    result = validate(write_config(off, tmp_path / "envoy.yaml"))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 @pytest.mark.parametrize("fmt", ["yaml", "json"])
 def test_render_round_trips(fmt: str) -> None:
     config = bootstrap(EnvoyOptions(pickers=PICKERS, engines=("10.0.1.1:8000",)))

@@ -1,6 +1,7 @@
 """Real Envoy on kvstack.epp.envoy_config's bootstrap, in front of small aiohttp engines, asking a
-fixed-answer picker (support.fixed_picker): routing to the picked address, fallbacks, a picker that is down
-or slow, the picker's own 503/429, the metadata Envoy forwards, streaming passing through unbuffered."""
+fixed-answer picker (support.fixed_picker): routing to the picked address, fallbacks, the served address
+told to the client, a picker that is down or slow, the picker's own 503/429, the metadata Envoy forwards,
+streaming passing through unbuffered."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvstack.epp.envoy_config import EnvoyOptions, bootstrap
+from kvstack.epp.envoy_config import SERVED, EnvoyOptions, bootstrap
 from support.envoy import EnvoyProcess, require_envoy, start_envoy
 from support.fixed_picker import Answer, RunningPicker, start_fixed_picker
 from support.ports import free_port
@@ -154,6 +155,30 @@ async def test_a_dead_first_address_falls_back_to_the_next_before_the_first_byte
     assert stats["cluster.engines.upstream_cx_connect_fail"] == 1
     served = picker.picker.phases("response_headers")[-1].metadata["envoy.lb"]
     assert served["x-gateway-destination-endpoint-served"] == engines[1].address
+
+
+async def test_the_client_hears_which_engine_served_the_fallback_included(
+    tmp_path: Path, engines: list[Engine], picker: RunningPicker
+) -> None:
+    dead = dead_address()
+    async with front(tmp_path, [picker.address], named(engines, dead)) as f:
+        for endpoints, served in ((engines[0].address, "A"), (f"{dead},{engines[1].address}", "B")):
+            picker.picker.answer = Answer(endpoints=endpoints)
+            async with f.http.post(f"{f.url}/v1/completions", data=b"{}") as response:
+                assert (await response.json())["served_by"] == served
+                address = {"A": engines[0].address, "B": engines[1].address}[served]
+                assert response.headers[SERVED] == address
+
+
+@pytest.mark.parametrize("served_header", [False, True])
+async def test_without_named_engines_the_served_header_is_the_first_address_unless_off(
+    tmp_path: Path, engines: list[Engine], picker: RunningPicker, served_header: bool
+) -> None:
+    async with front(tmp_path, [picker.address], served_header=served_header) as f:
+        picker.picker.answer = Answer(endpoints=f"{engines[1].address},{engines[0].address}")
+        async with f.http.post(f"{f.url}/v1/completions", data=b"{}") as response:
+            assert (await response.json())["served_by"] == "B"
+            assert response.headers.get(SERVED) == (engines[1].address if served_header else None)
 
 
 async def test_an_address_envoy_does_not_know_is_skipped(

@@ -4,8 +4,8 @@
 - ``ttft_over_time``: TTFT of each successful request against its send time; failed requests as red
   crosses on the time axis.
 - ``load_share``: each engine's share of the finished requests, from the engines' counters when read,
-  else from the ``x-kvstack-engine`` response header; a dashed line marks the even share. When neither
-  is known the image says so instead of drawing zeros.
+  else from the response header naming the engine that served; a dashed line marks the even share. When
+  neither is known the image says so instead of drawing zeros.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def load_share(path: Path, engine: Mapping[str, Any] | None, header_counts: Mapp
         total = sum(header_counts.values())
         names = list(header_counts)
         shares = [c / total for c in header_counts.values()]
-        source = "client side (x-kvstack-engine header)"
+        source = "client side (engine response header)"
     if shares:
         ax.bar(range(len(shares)), shares)
         ax.set_xticks(range(len(names)), names, rotation=30 if len(names) > 4 else 0, ha="right")
@@ -116,7 +116,7 @@ def load_share(path: Path, engine: Mapping[str, Any] | None, header_counts: Mapp
         ax.text(
             0.5,
             0.5,
-            f"load share unknown: {reason}\nand no x-kvstack-engine header",
+            f"load share unknown: {reason}\nand no engine response header",
             ha="center",
             va="center",
             transform=ax.transAxes,

@@ -109,7 +109,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, when reported
     status: int | None = None  # HTTP status; None when no response arrived
     error: str | None = None
-    engine: str | None = None  # the x-kvstack-engine response header
+    engine: str | None = None  # the engine that served, from a response header (runner.ENGINE_HEADERS)
 
     @property
     def ok(self) -> bool:

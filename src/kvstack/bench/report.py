@@ -117,9 +117,7 @@ def summary_table(result: BenchResult, title: str | None = None) -> Table:
             for note in e["notes"]:
                 table.add_row("  note", note)
     if s.get("engine_header_counts"):
-        table.add_row(
-            "x-kvstack-engine", ", ".join(f"{k}: {v}" for k, v in s["engine_header_counts"].items())
-        )
+        table.add_row("engine header", ", ".join(f"{k}: {v}" for k, v in s["engine_header_counts"].items()))
     for message, count in (s.get("error_kinds") or {}).items():
         table.add_row(f"  error x{count}", message)
     return table

@@ -5,7 +5,8 @@ answered yet or ``max_concurrency`` requests are already in flight; the differen
 lag. Requests stream (``"stream": true`` with ``stream_options.include_usage``) and are timed on the
 client: TTFT from sending to the first chunk with content, one inter-token latency per later content chunk
 (chunks read together share a timestamp, so a coalesced read shows gaps of 0), end-to-end to the end of
-the stream. Usage gives prompt, completion and cached tokens (``usage.prompt_tokens_details``).
+the stream. Usage gives prompt, completion and cached tokens (``usage.prompt_tokens_details``); a response
+header names the engine that served (``ENGINE_HEADERS``), when the server sets one.
 
 A failure never stops the run: an HTTP error, an in-stream error event, a stream cut before
 ``data: [DONE]``, a timeout or a refused connection is recorded as the request's ``error``. Only records
@@ -37,7 +38,9 @@ from kvstack.openai.sse import DONE_PAYLOAD, SSEParser
 
 __all__ = ["run_bench"]
 
-ENGINE_HEADER = "x-kvstack-engine"
+# The response header naming the engine that served: kvstack's router sets the first, Envoy in front of
+# kvstack's endpoint picker the second (kvstack.epp.envoy_config's served_header).
+ENGINE_HEADERS = ("x-kvstack-engine", "x-gateway-destination-endpoint-served")
 # Turns planned but not finished, at most: an endless workload at a rate the server cannot follow queues
 # at the client up to here, then planning waits (the growing send lag shows it).
 _MAX_OUTSTANDING = 10_000
@@ -233,7 +236,7 @@ class _Run:
                 self.http.post(self.endpoint, json=body, headers=self.headers) as resp,
             ):
                 record.status = resp.status
-                record.engine = resp.headers.get(ENGINE_HEADER)
+                record.engine = next(filter(None, map(resp.headers.get, ENGINE_HEADERS)), None)
                 if resp.status != 200:
                     record.error = _http_error(resp.status, await _read_some(resp.content))
                 else:

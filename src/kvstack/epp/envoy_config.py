@@ -10,7 +10,8 @@ With ``engines`` named (IP or DNS HOST:PORT; a headless Service's name stands fo
 (``retries`` before the first response byte, on connect failure, reset, refused stream or 503); least request
 when the picker named no known engine. Without, ORIGINAL_DST serves the header's first address only. Either
 way ``envoy.lb``/``x-gateway-destination-endpoint-served`` says which address served; the picker gets it with
-the response headers (and ``envoy.lb.subset_hint``, when a gateway set one, with the request). The picker gets
+the response headers (and ``envoy.lb.subset_hint``, when a gateway set one, with the request), and with
+``served_header`` the client gets it too, as a response header of that name. The picker gets
 the request body as ``body_mode`` says (buffered by default, up to ``max_request_bytes``); ``response_usage``
 adds the response body and trailers. No overall timeout: ``idle_timeout_s`` ends a silent stream. Each
 request is logged on Envoy's stdout (picked and served address, attempts) unless ``access_log`` is off.
@@ -63,6 +64,7 @@ class EnvoyOptions:
     retries: int = 2
     idle_timeout_s: float = 300.0
     access_log: bool = True  # one line per request on Envoy's stdout
+    served_header: bool = True
 
     def validate(self) -> EnvoyOptions:
         if not self.pickers:
@@ -167,19 +169,21 @@ def _virtual_host(options: EnvoyOptions) -> dict[str, Any]:
         "timeout": "0s",
         "retry_policy": retry_policy,
     }
-    return {
-        "name": "engines",
-        "domains": ["*"],
-        "routes": [
-            {
-                "match": {"prefix": "/"},
-                "route": route,
-                # What a request body may buffer: for the picker (BUFFERED, else 413) and for retries (beyond
-                # it a request is not retried).
-                "request_body_buffer_limit": options.max_request_bytes,
-            }
-        ],
+    entry: dict[str, Any] = {
+        "match": {"prefix": "/"},
+        "route": route,
+        # What a request body may buffer: for the picker (BUFFERED, else 413) and for retries (beyond it a
+        # request is not retried).
+        "request_body_buffer_limit": options.max_request_bytes,
     }
+    if options.served_header:
+        # The upstream that answered (a fallback when Envoy retried), as the client's per-request attribution.
+        served = {
+            "header": {"key": SERVED, "value": "%UPSTREAM_HOST%"},
+            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD",
+        }
+        entry["response_headers_to_add"] = [served]
+    return {"name": "engines", "domains": ["*"], "routes": [entry]}
 
 
 def _ext_proc(options: EnvoyOptions) -> dict[str, Any]:
