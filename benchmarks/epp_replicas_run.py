@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 from epp_replicas_envoy import SERVED_HEADER, start_envoy
 from epp_replicas_shadow import ShadowAsker, batches, engine_view, engines, why_differ
-from procs import HOST, KVSTACK, REPO, Group, engines_not_ready, free_port, get
+from procs import HOST, KVSTACK, REPO, Group, engines_not_ready, free_port, get, wait_engines
 
 from kvstack.bench.workloads import Conversation, MultiRoundQA, Turn
 
@@ -56,7 +56,7 @@ def run_phase(phase: Phase, settings: Settings, logs: Path) -> dict[str, Any]:
     sim = Group.start("sim", [_sim_command(settings)], logs / f"sim-{slug}.log", env=SRC_ENV)
     groups = [sim]
     try:
-        engine_urls = _wait_engines(sim, settings.engines)
+        engine_urls = wait_engines(sim, settings.engines)
         grpc_ports, http_ports = [free_port() for _ in range(2)], [free_port() for _ in range(2)]
         picker_cmds = [
             _picker_command(engine_urls, g, h, phase.routing, settings)
@@ -104,21 +104,6 @@ def _picker_command(
     for url in engine_urls:
         cmd += ["--engine", url]
     return [*cmd, "--fallbacks", "0", "--scrape-interval", f"{s.scrape_interval:g}", "--log-level", "warning"]
-
-
-_ENGINE_LINE = re.compile(r"engine (\d+): (http://\S+?)/v1\b")
-
-
-def _wait_engines(group: Group, n: int, budget_s: float = 30.0) -> list[str]:
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        found = dict(_ENGINE_LINE.findall(group.log_text()))
-        if len(found) >= n:
-            return [found[str(i)] for i in range(n)]
-        if (why := group.exited()) is not None:
-            raise RuntimeError(f"sim: {why}\n{group.log_text()[-2000:]}")
-        time.sleep(0.1)
-    raise RuntimeError(f"sim: {n} engines not up after {budget_s:.0f}s\n{group.log_text()[-2000:]}")
 
 
 def _wait_pickers(group: Group, urls: list[str], n: int, budget_s: float = 60.0) -> None:

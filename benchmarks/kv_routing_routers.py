@@ -145,22 +145,6 @@ def _envoy_version() -> str:
 
 
 # -- waiting for things ---------------------------------------------------------------------------
-_ENGINE_LINE = re.compile(r"engine (\d+): (http://\S+?)/v1\b")
-
-
-def wait_engines(group: Group, n: int, budget_s: float) -> list[str]:
-    """The engine URLs the sim prints once all ``n`` serve."""
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        found = dict(_ENGINE_LINE.findall(group.log_text()))
-        if len(found) >= n:
-            return [found[str(i)] for i in range(n)]
-        if (why := group.exited()) is not None:
-            raise RuntimeError(f"sim: {why}\n{group.log_text()[-2000:]}")
-        time.sleep(0.1)
-    raise RuntimeError(f"sim: {n} engines not up after {budget_s:.0f}s\n{group.log_text()[-2000:]}")
-
-
 def _json(url: str, path: str, timeout: float = 2.0) -> Any:
     status, body = get(url, path, timeout=timeout)
     if status != 200:

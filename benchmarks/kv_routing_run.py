@@ -26,11 +26,10 @@ from kv_routing_routers import (
     engine_extras,
     envoy_stats,
     router_extras,
-    wait_engines,
     wait_ready,
 )
 from machine_info import machine_cpu_ticks
-from procs import KVSTACK, OFFLINE, Group, free_port
+from procs import KVSTACK, OFFLINE, Group, free_port, wait_engines
 from rich.console import Console
 
 from kvstack.bench import BenchConfig, BenchResult, MultiRoundQA, run_bench, write_report

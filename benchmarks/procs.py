@@ -11,10 +11,12 @@ from __future__ import annotations
 import contextlib
 import http.client
 import os
+import re
 import shlex
 import signal
 import socket
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,3 +146,19 @@ def engines_not_ready(states: list[dict[str, Any]], n: int, *, kv_events: bool) 
             if s["routing_knowledge"] != "kv-events" or not events.get("connected"):
                 return f"{s['url']}: knowledge {s['routing_knowledge']}, kv_events {events}"
     return None
+
+
+_ENGINE_LINE = re.compile(r"engine (\d+): (http://\S+?)/v1\b")
+
+
+def wait_engines(group: Group, n: int, budget_s: float = 30.0) -> list[str]:
+    """The engine URLs the sim prints once all ``n`` serve."""
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        found = dict(_ENGINE_LINE.findall(group.log_text()))
+        if len(found) >= n:
+            return [found[str(i)] for i in range(n)]
+        if (why := group.exited()) is not None:
+            raise RuntimeError(f"sim: {why}\n{group.log_text()[-2000:]}")
+        time.sleep(0.1)
+    raise RuntimeError(f"sim: {n} engines not up after {budget_s:.0f}s\n{group.log_text()[-2000:]}")
