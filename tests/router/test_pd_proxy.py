@@ -169,6 +169,17 @@ async def test_a_prefill_engine_that_answers_500_falls_back(stack: PDStack) -> N
     assert prefills == {("error_status",): 1.0}
 
 
+async def test_a_failing_prefill_engine_opens_its_circuit_and_is_no_longer_asked(stack: PDStack) -> None:
+    await set_prefill_faults(stack, error_rate=1.0, error_codes=[500])
+    for _ in range(6):  # the breaker opens after 5 consecutive failures
+        await ask(stack)
+    page = await stack.router_page()
+    assert counter_totals(page, "kvstack_pd_prefills", "outcome") == {("error_status",): 5.0}
+    assert await stack.fallbacks() == {("error_status",): 5.0, ("no_prefill_engine",): 1.0}
+    entry = stack.router.app.registry.get(stack.prefill.url)
+    assert entry is not None and entry.state.circuit.value == "open"
+
+
 async def test_a_prefill_engine_that_hangs_times_out_and_falls_back(stack: PDStack) -> None:
     await set_prefill_faults(stack, hang_rate=1.0)
     stack.router.app.prefill.prefiller.timeout = 0.5
