@@ -18,7 +18,6 @@ sidecar's URL, scrapes its metrics, learns its models and KV-event sources throu
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -37,8 +36,6 @@ from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai.errors import OpenAIError
 from kvstack.router.app import request_id_of
 from kvstack.router.proxy import Outcome, Proxy, RetryPolicy, Timeouts, forward_headers
-
-log = logging.getLogger(__name__)
 
 METRICS_TIMEOUT_S = 10.0
 METRICS_MAX_BYTES = 16 << 20
