@@ -16,7 +16,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 import openai
 from kvstack.engines.state import Endpoint
 from kvstack.router.app import RouterConfig
-from kvstack.router.proxy import _forward_headers
+from kvstack.router.proxy import forward_headers
 from kvstack.sim.cluster import RunningEngine
 from support.metrics import counter_totals
 from support.routers import (
@@ -233,7 +233,7 @@ def test_headers_named_in_connection_are_not_forwarded() -> None:
             ]
         )
     )
-    assert _forward_headers(incoming, "rid-1") == [
+    assert forward_headers(incoming, "rid-1") == [
         ("X-End-To-End", "2"),
         ("Content-Type", "application/json"),
         ("x-request-id", "rid-1"),

@@ -46,14 +46,22 @@ class Stack:
 
 
 async def start_sims(
-    n: int, *, time_scale: float = 20.0, faults: FaultConfig | None = None, kv_events: bool = False
+    n: int,
+    *,
+    time_scale: float = 20.0,
+    faults: FaultConfig | None = None,
+    kv_events: bool = False,
+    **config: Any,
 ) -> list[RunningEngine]:
-    """``n`` sims serving MODEL on free ports; ``kv_events``: each publishes them (and replays)."""
+    """``n`` sims serving MODEL on free ports; ``kv_events``: each publishes them (and replays); ``config``:
+    more `EngineConfig` fields (a latency model, a token budget per step, ...)."""
     tok = load_tokenizer(None)
     sampler = OutputSampler(tok)
     out = []
     for _ in range(n):
-        cfg = EngineConfig(model_name=MODEL, time_scale=time_scale, block_size=16, num_gpu_blocks=4096)
+        cfg = EngineConfig(
+            model_name=MODEL, time_scale=time_scale, block_size=16, num_gpu_blocks=4096, **config
+        )
         opts = SimOptions(
             engine=cfg, served_model_names=[MODEL], model_root=MODEL, port=0, kv_events=kv_events,
             replay=kv_events, faults=faults or FaultConfig(),

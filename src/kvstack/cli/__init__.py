@@ -1,12 +1,12 @@
 """The ``kvstack`` command: the composition root that builds every object from flags.
 
-Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``epp`` (Envoy's endpoint picker), ``envoy-config``
-(Envoy's bootstrap for the picker), ``up`` (a local stack: simulated engines, a KV cache server and a front
-end), ``cache-server``, ``bench``, ``model make-tiny`` (a dummy-weight model directory that real vLLM and the
-simulator both serve), ``version``. Each lives in its own module (``kvstack.cli.sim``, ``.router``, ``.epp``,
-``.envoy_config``, ``.up``, ``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its
-run function; the flags both front ends take are in ``.front_end``. This module assembles the parser and
-dispatches.
+Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``epp`` (Envoy's endpoint picker), ``sidecar``
+(the P/D sidecar in front of a decode engine), ``envoy-config`` (Envoy's bootstrap for the picker), ``up`` (a
+local stack: simulated engines, a KV cache server and a front end), ``cache-server``, ``bench``, ``model
+make-tiny`` (a dummy-weight model directory that real vLLM and the simulator both serve), ``version``. Each
+lives in its own module (``kvstack.cli.sim``, ``.router``, ``.epp``, ``.sidecar``, ``.envoy_config``, ``.up``,
+``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run function; the flags
+both front ends take are in ``.front_end``. This module assembles the parser and dispatches.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
 from kvstack.cache.cli import add_cache_server_parser, run_cache_server
-from kvstack.cli import envoy_config, epp, model, router, sim, up
+from kvstack.cli import envoy_config, epp, model, router, sidecar, sim, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_parser(sub)
     router.add_parser(sub)
     epp.add_parser(sub)
+    sidecar.add_parser(sub)
     up.add_parser(sub)
     add_bench_parser(sub)
     add_cache_server_parser(sub)
@@ -55,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         return router.run(args, list(sys.argv[1:] if argv is None else argv))
     if args.command == "epp":
         return epp.run(args)
+    if args.command == "sidecar":
+        return sidecar.run(args)
     if args.command == "up":
         return up.run(args)
     return sim.run(args)

@@ -172,7 +172,7 @@ def front_end_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.engines_file:
         discovery = FileDiscovery(args.engines_file)
     elif args.k8s_namespace:
-        discovery = _kubernetes_discovery(args)
+        discovery = kubernetes_discovery(args)
     if not engines and discovery is None:
         raise UsageError("give engines with --engine, --engines-file or --k8s-namespace")
     return {
@@ -209,7 +209,7 @@ def _tokenizer_dirs(values: list[str]) -> dict[str, str]:
     return out
 
 
-def _kubernetes_discovery(args: argparse.Namespace) -> Any:
+def kubernetes_discovery(args: argparse.Namespace) -> Any:
     from kubernetes_asyncio import client, config
 
     from kvstack.engines.discovery import KubernetesDiscovery

@@ -43,6 +43,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument(
         "--max-attempts", type=int_in(1), default=3, help="engines tried per request before giving up"
     )
+    g.add_argument(
+        "--pd-prefill-timeout",
+        type=positive,
+        default=30.0,
+        help="seconds a P/D prefill request may take; past it the decode engine computes the prompt itself",
+    )
     front_end.add_limit_arguments(p)
     g = p.add_argument_group("access")
     g.add_argument(
@@ -79,6 +85,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
                 args.timeout_connect, args.timeout_first_byte, args.timeout_idle, args.timeout_total
             ),
             session_headers=tuple(args.session_header) or SESSION_HEADERS,
+            pd_prefill_timeout=args.pd_prefill_timeout,
         ),
         retry=RetryPolicy(max_attempts=args.max_attempts),
         reuse_port=args.reuse_port or args.workers > 1,

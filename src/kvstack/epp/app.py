@@ -56,7 +56,7 @@ class PickerHttpApp:
         details = self.front.fleet.engines_detail()
         for item in details:
             item["address"] = self.picker.address(item["url"])
-        return _json({"engines": details, "streams": self.picker.streams})
+        return _json({"engines": details, "roles": self.front.fleet.roles(), "streams": self.picker.streams})
 
 
 def _json(body: Any, status: int = 200) -> Response:

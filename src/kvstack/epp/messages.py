@@ -94,25 +94,30 @@ def _destination_metadata(response: pb.ProcessingResponse, value: str) -> None:
 
 
 def route_on_headers(
-    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = ()
+    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = (), remove: Sequence[str] = ()
 ) -> pb.ProcessingResponse:
-    """The answer to the request headers naming the destination (pick first, then fallbacks)."""
+    """The answer to the request headers naming the destination (pick first, then fallbacks), setting the
+    ``extra`` headers and removing those named in ``remove``."""
     value = ",".join(addresses)
     response = pb.ProcessingResponse()
     common = response.request_headers.response
     common.clear_route_cache = True
     _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
+    common.header_mutation.remove_headers.extend(remove)
     _destination_metadata(response, value)
     return response
 
 
-def route_on_body(addresses: Sequence[str], extra: Iterable[tuple[str, str]] = ()) -> pb.ProcessingResponse:
+def route_on_body(
+    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = (), remove: Sequence[str] = ()
+) -> pb.ProcessingResponse:
     """The answer to a buffered request body naming the destination (the headers are still held)."""
     value = ",".join(addresses)
     response = pb.ProcessingResponse()
     common = response.request_body.response
     common.clear_route_cache = True
     _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
+    common.header_mutation.remove_headers.extend(remove)
     _destination_metadata(response, value)
     return response
 

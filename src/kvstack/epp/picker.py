@@ -11,6 +11,8 @@ Request phase, by the body mode Envoy announces (``protocol_config``; BUFFERED w
 The decision is `frontend.routing`'s, the same as the proxy's: parse (400/404 as OpenAI JSON), admission
 (429 when shed), scheduling over the engines in Envoy's subset hint when it sends one (503 when none is
 eligible). The header lists the pick and then up to ``fallbacks`` other engines for Envoy's retries.
+When scheduling disaggregates the request, ``x-prefiller-host-port`` names the prefill engine for the
+decode engine's sidecar (`kvstack.router.sidecar`); a client's own value of it is removed.
 
 Response phase: ``:status`` and the served endpoint (``x-gateway-destination-endpoint-served``; a fallback
 when Envoy retried) settle the circuit breakers and the request metrics. The time to first byte is the time
@@ -26,12 +28,12 @@ import time
 from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
 
 from kvstack.epp import messages as m
 from kvstack.epp.usage import UsageTail
 from kvstack.frontend.admission import AdmissionRejected
 from kvstack.frontend.assembly import FrontEnd
+from kvstack.frontend.pd import PREFILLER_HEADER, host_port
 from kvstack.frontend.registry import EngineEntry
 from kvstack.frontend.routing import RouteRequest, parse_route
 from kvstack.openai import errors
@@ -67,17 +69,15 @@ class EndpointPicker:
         """An engine's ``host:port`` as Envoy's original-destination cluster takes it."""
         found = self._addresses.get(url)
         if found is None:
-            parts = urlsplit(url)
-            port = parts.port or (443 if parts.scheme == "https" else 80)
-            host = parts.hostname or ""
-            found = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            found = host_port(url)
             if len(self._addresses) > 65536:
                 self._addresses.clear()
             self._addresses[url] = found
         return found
 
-    async def decide(self, request: PendingRequest) -> tuple[EngineEntry, list[str]]:
-        """(the chosen engine's entry, destination addresses: pick first). Raises OpenAIError."""
+    async def decide(self, request: PendingRequest) -> tuple[EngineEntry, list[str], str | None]:
+        """(the chosen engine's entry, destination addresses: pick first, the address of the engine to
+        prefill the prompt on when scheduling disaggregates the request). Raises OpenAIError."""
         front = self.front
         states = front.registry.states()
         if request.subset is not None:
@@ -93,7 +93,8 @@ class EndpointPicker:
         entry = _first_allowed(front, candidates)
         front.metrics.decision(decision.profile, entry.state.url)
         chosen = [entry.state.url, *(u for u in candidates if u != entry.state.url)]
-        return entry, [self.address(u) for u in chosen[: 1 + self.config.fallbacks]]
+        prefiller = self.address(decision.prefill[0]) if decision.prefill else None
+        return entry, [self.address(u) for u in chosen[: 1 + self.config.fallbacks]], prefiller
 
 
 def _first_allowed(front: FrontEnd, candidates: list[str]) -> EngineEntry:
@@ -233,12 +234,18 @@ class PickerStream:
             return self._refuse(err, [("retry-after", rej.retry_after_header)])
         self.admitted = True
         try:
-            entry, addresses = await picker.decide(pending)
+            entry, addresses, prefiller = await picker.decide(pending)
         except OpenAIError as err:
             return self._refuse(err)
         self._start(entry, addresses)
         extra = [("x-request-id", pending.request_id)]
-        return m.route_on_body(addresses, extra) if on_body else m.route_on_headers(addresses, extra)
+        remove: list[str] = []
+        if prefiller is not None:
+            extra.append((PREFILLER_HEADER, prefiller))
+        elif PREFILLER_HEADER in pending.headers:
+            remove.append(PREFILLER_HEADER)  # only the picker chooses where a prompt is prefilled
+        route = m.route_on_body if on_body else m.route_on_headers
+        return route(addresses, extra, remove)
 
     def _start(self, entry: EngineEntry, addresses: list[str]) -> None:
         registry = self.picker.front.registry

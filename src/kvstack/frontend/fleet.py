@@ -1,5 +1,5 @@
 """The engines a front end routes to: the registry, kept current as engines join and leave, and the JSON
-views of it both front ends serve (``/engines``, ``/ready``, ``/v1/models``).
+views of it both front ends serve (``/engines`` with the engines by P/D role, ``/ready``, ``/v1/models``).
 
 An engine added without models learns them from its ``/v1/models`` (a side call through the front end's
 `UpstreamPool`), quickly at first and every ``models_refresh_s`` after; models an engine spec names are kept
@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from kvstack.backoff import Backoff, BackoffSequence
-from kvstack.engines.state import Endpoint, EngineState
+from kvstack.engines.state import Endpoint, EngineRole, EngineState
 from kvstack.frontend.metrics import RouterMetrics
 from kvstack.frontend.registry import EngineRegistry
 from kvstack.http.client import UpstreamError, UpstreamPool
@@ -184,6 +184,13 @@ class Fleet:
                 item.update(self.extra_state(s))
             out.append(item)
         return out
+
+    def roles(self) -> dict[str, list[str]]:
+        """The engines' URLs (sorted) by disaggregation role (``/engines``' ``roles``)."""
+        out: dict[str, list[str]] = {role.value: [] for role in EngineRole}
+        for s in self.registry.states():
+            out[s.endpoint.role.value].append(s.url)
+        return {role: sorted(urls) for role, urls in out.items()}
 
     def refresh_gauges(self) -> None:
         """The engine gauges read when metrics are rendered: circuit states and routable counts."""

@@ -10,9 +10,10 @@ The five series every proxied request updates (requests, time to first byte, dur
 decisions) are plain numbers that only the event loop updates (`LeanHotSeries`; per worker `WorkerHotSeries`,
 summed when /metrics is read), rendered with the names, labels and samples prometheus_client would give.
 Every series labelled by engine (`ENGINE_SERIES`: circuit state, upstream and scrape errors, missing metric
-names, KV event counts) is kept the same way so that it goes with its engine: a removed engine's series are
-dropped, and updates that arrive for it afterwards (a request or scrape still in flight at the removal) are
-ignored until an engine is added at that URL again. Why plain numbers: docs/design/router-metrics.md.
+names, KV event counts, P/D prefills) is kept the same way so that it goes with its engine: a removed
+engine's series are dropped, and updates that arrive for it afterwards (a request or scrape still in flight
+at the removal) are ignored until an engine is added at that URL again. Why plain numbers:
+docs/design/router-metrics.md.
 """
 
 from __future__ import annotations
@@ -111,6 +112,16 @@ ENGINE_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         "1 while the router's KV event subscription to the engine is connected.",
         ("engine",),
         _GAUGE,
+    ),
+    "kvstack_pd_prefills": (
+        "Prefill requests sent to prefill engines (P/D), by engine and outcome (ok, or the fallback reason).",
+        ("engine", "outcome"),
+        _COUNTER,
+    ),
+    "kvstack_pd_transferred_prompt_tokens": (
+        "Prompt tokens prefilled for a decode engine to pull (the prefill answer's usage), by prefill engine",
+        ("engine",),
+        _COUNTER,
     ),
 }
 _FORGOTTEN_MAX = 4096  # removed engines whose late updates are ignored (the most recent ones)
@@ -432,6 +443,19 @@ class RouterMetrics:
             ["model", "kind"],
             registry=reg,
         )
+        self.pd_fallbacks = Counter(
+            "kvstack_pd_fallbacks",
+            "Requests scheduling disaggregated that the decode engine served whole (the prefill failed or "
+            "was not possible), by reason.",
+            ["reason"],
+            registry=reg,
+        )
+        self.pd_prefill_seconds = Histogram(
+            "kvstack_pd_prefill_seconds",
+            "Time of successful prefill requests on prefill engines (P/D), from sending to the whole answer.",
+            buckets=LATENCY_BUCKETS,
+            registry=reg,
+        )
         self.tokenize_seconds = Histogram(
             "kvstack_router_tokenize_seconds",
             "Time to get a prompt's token ids for routing, by source (local, remote, cache; "
@@ -511,6 +535,18 @@ class RouterMetrics:
 
     def tokenized(self, source: str, seconds: float) -> None:
         self._child(self.tokenize_seconds, source).observe(seconds)
+
+    # -- P/D disaggregation (kvstack.frontend.pd) -----------------------------------------------------
+    def pd_prefill_sent(self, engine: str, outcome: str) -> None:
+        self.hot.count("kvstack_pd_prefills", (engine, outcome))
+
+    def pd_prefilled(self, engine: str, seconds: float, prompt_tokens: int | None) -> None:
+        self.pd_prefill_seconds.observe(seconds)
+        if prompt_tokens:
+            self.hot.count("kvstack_pd_transferred_prompt_tokens", (engine,), prompt_tokens)
+
+    def pd_fallback(self, reason: str) -> None:
+        self._child(self.pd_fallbacks, reason).inc()
 
     def flush_hot(self) -> None:
         """Write this worker's hot series for a sibling rendering /metrics (no-op in one process)."""

@@ -3,7 +3,8 @@
 Served by `kvstack.http.server`; engines' models are learned through the side-call `UpstreamPool`.
 Routes:
 - POST /v1/completions, /v1/chat/completions, /v1/embeddings, /v1/responses, /tokenize, /detokenize:
-  parsed just enough to route (model, stream, session key, prompt), then proxied;
+  parsed just enough to route (model, stream, session key, prompt), then proxied (prefilled on a prefill
+  engine first when scheduling disaggregates the request: `kvstack.router.prefill`);
 - GET /v1/models: the union of the engines' models;
 - GET /health (the router is alive), /ready (every configured model has a routable engine; JSON detail),
   /metrics (the router's own ``kvstack_`` metrics), /engines (JSON state of every engine);
@@ -37,6 +38,7 @@ from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
+from kvstack.router.prefill import PrefillStep
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.workers import WorkerGroup
 from kvstack.scheduling.interfaces import SESSION_HEADERS
@@ -67,6 +69,8 @@ class RouterConfig:
     admin_key: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
     session_headers: tuple[str, ...] = SESSION_HEADERS  # tried in order, before the body's fields
+    # A P/D prefill request's time limit; past it the decode engine computes the prompt itself.
+    pd_prefill_timeout: float = 30.0
 
 
 class RouterApp:
@@ -78,6 +82,7 @@ class RouterApp:
         proxy: Proxy,
         admission: AdmissionController,
         *,
+        prefill: PrefillStep,
         group: WorkerGroup | None = None,
         on_metrics: Callable[[], None] | None = None,
     ) -> None:
@@ -88,6 +93,7 @@ class RouterApp:
         self.picker = picker
         self.proxy = proxy
         self.admission = admission
+        self.prefill = prefill
         self.group = group
         self._worker_index = "" if group is None else str(group.index)
         self.on_metrics = on_metrics  # refreshes gauges read from other objects (FrontEnd.refresh_gauges)
@@ -135,7 +141,7 @@ class RouterApp:
         except OpenAIError as err:
             if conn.response_started:
                 raise
-            return _error(err, [("x-request-id", _request_id(request))])
+            return _error(err, [("x-request-id", request_id_of(request))])
 
     def _authorize(self, request: Request) -> None:
         path = request.path
@@ -182,7 +188,7 @@ class RouterApp:
         return _json(self.fleet.models_list())
 
     async def engines(self, request: Request, conn: Connection) -> Response:
-        body: dict[str, Any] = {"engines": self.fleet.engines_detail()}
+        body: dict[str, Any] = {"engines": self.fleet.engines_detail(), "roles": self.fleet.roles()}
         if self.group is not None:
             body["worker"] = {"index": self.group.index, "count": self.group.count}
         return _json(body)
@@ -249,7 +255,7 @@ class RouterApp:
         raw = request.body
         outcome = Outcome()
         model_label = "other"  # until the body names a served model: a client cannot grow the series
-        request_id = _request_id(request)
+        request_id = request_id_of(request)
         try:
             # Refused requests (bad JSON, unknown model, bad timeout header) are counted too, engine "none".
             route = self._parse(request, raw, request_id)
@@ -261,11 +267,16 @@ class RouterApp:
                 decision = await self._candidates(route)
                 candidates = decision.candidates
                 self.metrics.decision(decision.profile, decision.target)
+                body = raw
+                if decision.prefill:
+                    body = await self.prefill.decode_body(
+                        route, raw, decision.prefill, request.headers, timeouts
+                    )
                 await self.proxy.forward(
                     conn,
                     request.headers,
                     path=route.path,
-                    body=raw,
+                    body=body,
                     candidates=candidates,
                     stream=route.stream,
                     request_id=route.request_id,
@@ -354,8 +365,8 @@ def _bearer_matches(request: Request, keys: set[str] | frozenset[str]) -> bool:
     return any(hmac.compare_digest(token, k) for k in keys)
 
 
-def _request_id(request: Request) -> str:
-    """The client's x-request-id when it is short printable ASCII, else a new one."""
+def request_id_of(request: Request) -> str:
+    """The client's x-request-id when it is short printable ASCII, else a new one (kvs-...)."""
     given = request.headers.get("x-request-id")
     if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
         return given

@@ -182,11 +182,12 @@ class Proxy:
         request_id: str,
         timeouts: Timeouts,
         outcome: Outcome,
+        method: str = "POST",
     ) -> None:
         """Send ``body`` to the first candidate that answers; relay its response to ``conn``."""
         started = self._clock()
         deadline = started + timeouts.total
-        headers = _forward_headers(client_headers, request_id)
+        headers = forward_headers(client_headers, request_id)
         last_error: _Retryable | None = None
         tried = 0
         for url in candidates:
@@ -203,7 +204,7 @@ class Proxy:
             outcome.engine = url
             try:
                 return await self._attempt(
-                    conn, entry, path, body, headers, request_id, stream, timeouts, deadline, outcome
+                    conn, entry, method, path, body, headers, request_id, stream, timeouts, deadline, outcome
                 )
             except _Retryable as exc:
                 if last_error is not None and last_error.response is not None:
@@ -236,6 +237,7 @@ class Proxy:
         self,
         conn: Connection,
         entry: EngineEntry,
+        method: str,
         path: str,
         body: bytes,
         headers: list[tuple[str, str]],
@@ -267,7 +269,13 @@ class Proxy:
             bound, first_byte = timeouts.limit("first_byte", deadline - self._clock())
             try:
                 upstream = await self.upstream.request(
-                    url, path, headers, body, connect_timeout=timeouts.connect, first_byte_timeout=first_byte
+                    url,
+                    path,
+                    headers,
+                    body,
+                    connect_timeout=timeouts.connect,
+                    first_byte_timeout=first_byte,
+                    method=method,
                 )
             except TimeoutError:
                 settle(self._timeout_verdict(timeouts, bound))
@@ -494,7 +502,8 @@ async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 2
     return b"".join(pieces)[:limit]
 
 
-def _forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
+def forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
+    """The client's headers as an engine gets them: hop-by-hop and router-only ones out, our request id in."""
     out: list[tuple[str, str]] = []
     drop = _DROP_REQUEST_HEADERS
     named = incoming.get("connection")

@@ -1,6 +1,6 @@
 """Assemble and run the router: the shared front end (`kvstack.frontend.assembly`: side calls to engines,
 fleet, scheduling, prefix knowledge, scraper, discovery, admission), plus the proxy's own connection pool,
-the proxy and the HTTP app, all built here and passed in (no globals).
+the proxy, the P/D prefill step and the HTTP app, all built here and passed in (no globals).
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from kvstack.engines.scraper import MetricsScraper
 from kvstack.frontend.assembly import FrontEnd, FrontEndOptions, build_front_end
 from kvstack.frontend.kv_feeds import KVEventFeeds
 from kvstack.frontend.metrics import RouterMetrics
+from kvstack.frontend.pd import Prefiller
 from kvstack.frontend.prefix import PrefixLocator
 from kvstack.http.client import UpstreamPool
 from kvstack.http.listen import listening_socket
 from kvstack.http.server import HttpServer
 from kvstack.router.app import RouterApp, RouterConfig
+from kvstack.router.prefill import PrefillStep
 from kvstack.router.proxy import Proxy, RetryPolicy
 from kvstack.router.workers import WorkerGroup, WorkerGroupConfig
 
@@ -105,12 +107,16 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         else (opts.group.limit(opts.max_in_flight), opts.group.limit(opts.max_queue)),
     )
     proxy = Proxy(upstream, front.registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
+    prefiller = Prefiller(
+        upstream, metrics, timeout=opts.app.pd_prefill_timeout, connect_timeout=opts.app.timeouts.connect
+    )
     router = RouterApp(
         opts.app,
         front.fleet,
         front.picker,
         proxy,
         front.admission,
+        prefill=PrefillStep(front.registry, metrics, prefiller),
         group=group,
         on_metrics=front.refresh_gauges,
     )
