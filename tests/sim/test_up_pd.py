@@ -71,8 +71,8 @@ def test_up_refuses_them_before_starting_anything() -> None:
     assert run.returncode == 2 and "--prefill-engines needs --decode-engines" in run.stderr
 
 
-# Until the "pd" preset lands, the stack below names its routing: round robin over the engines that may serve
-# the whole request (prefill-only engines never are fallbacks for them).
+# TODO: once the "pd" preset exists, drop --routing below: `up` then routes with "pd" by default (what
+# test_engine_counts_give_roles_in_port_order_and_the_default_routing checks it asks for).
 ROUND_ROBIN = """\
 plugins:
 - type: round-robin-picker
