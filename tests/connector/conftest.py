@@ -1,7 +1,7 @@
-"""Fixtures of the connector tests that run in the vLLM virtualenv: a ``kvstack cache-server`` process per
-module (chunks of ``CHUNK`` tokens, KV events with replay, a unix socket too), and ``run_hand_built``, which
-runs a script in the vLLM environment against it after ``HAND_BUILT``, a prelude that builds the
-connector's halves by hand."""
+"""Fixtures of the connector tests that run in the vLLM virtualenv: the tiny model with seeded random
+weights (``model_dir``, once per session), a ``kvstack cache-server`` process per module (chunks of
+``CHUNK`` tokens, KV events with replay, a unix socket too), and ``run_hand_built``, which runs a script in
+the vLLM environment against it after ``HAND_BUILT``, a prelude that builds the connector's halves by hand."""
 
 from __future__ import annotations
 
@@ -9,10 +9,12 @@ import os
 import subprocess
 import textwrap
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
 from support.cache import CacheServerProcess, start_cache_server
+from support.connector import write_weighted_model
 from support.engines import REPO, require_vllm, vllm_python
 from support.waiting import wait_until
 
@@ -29,6 +31,13 @@ def require_connector_deps() -> None:
             f"the vLLM environment cannot import the connector's dependencies ({run.stderr.strip()[-200:]}); "
             f"run `{vllm_python().parent / 'pip'} install --no-deps -e . xxhash`"
         )
+
+
+@pytest.fixture(scope="session")
+def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with seeded random weights (``support.connector``)."""
+    require_vllm()
+    return write_weighted_model(tiny_model_dir, tmp_path_factory.mktemp("weighted") / "model")
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +112,10 @@ HAND_BUILT = textwrap.dedent(
 
     def request(rid, seed, n=600):
         tokens = [(seed * 7919 + i * 104729) % 4000 + 3 for i in range(n)]
-        return NS(request_id=rid, prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None)
+        return NS(
+            request_id=rid, prompt_token_ids=tokens, mm_features=[], lora_request=None, cache_salt=None,
+            kv_transfer_params=None,
+        )
     """
 )
 """A prelude for scripts that build the connector's halves by hand (in the vLLM environment, argv[1]: the

@@ -40,7 +40,7 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 def test_config_defaults_and_overrides() -> None:
     config = parse_config({"server": "tcp://127.0.0.1:5560"})
     assert (config.chunk_size, config.load, config.save, config.timeout_s) == (256, True, True, 1.0)
-    assert config.save_queue == 64
+    assert (config.save_queue, config.prefill_wait_s) == (64, 2.0)
     config = parse_config(
         {"server": "ipc:///tmp/c", "chunk_size": 512, "load": False, "timeout_s": 2, "model_id": "m"}
     )
@@ -67,6 +67,7 @@ def test_config_defaults_and_overrides() -> None:
         ({"server": "tcp://h:1", "timeout_s": 5, "retry_max_s": 1}, "need 0 < timeout_s <= retry_max_s"),
         ({"server": "tcp://h:1", "model_id": ""}, "model_id must not be empty"),
         ({"server": "tcp://h:1", "save_queue": 0}, "save_queue must be >= 1"),
+        ({"server": "tcp://h:1", "prefill_wait_s": -1}, "prefill_wait_s must be >= 0"),
     ],
 )
 def test_config_errors_say_what_to_fix(extra: dict[str, object], says: str) -> None:

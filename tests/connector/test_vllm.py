@@ -5,24 +5,17 @@ on the server); it is stopped, and engine B (same model, new process, empty loca
 them instead of computing them, and answer as A did: one prompt at a time, six at once, a prompt sharing
 only a prefix with A's, and again after B restarts.
 
-The model: the tiny model's shape with real random weights (``initializer_range`` 0.1). vLLM's dummy
-weights (uniform in +-1e-3) make the output ignore the context: with them, another prompt's KV gives the
-same tokens and the same logprobs, so an equal answer would prove nothing. ``test_wrong_kv_changes_the_
-answer`` checks that this model's answers do depend on the KV it is given.
+The model: the tiny model's shape with real random weights (``support.connector``).
+``test_wrong_kv_changes_the_answer`` checks that this model's answers do depend on the KV it is given.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import textwrap
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +27,11 @@ from kvstack.cache.keys import ChunkKey, chunk_keys
 from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout
 from kvstack.kvevents.codec import BlockStored, decode_batch, decode_seq, encode_seq
 from support.cache import CacheServerProcess
-from support.engines import REPO, EngineProcess, require_vllm, start_vllm, vllm_python
+from support.connector import MODEL_ID, Answer, assert_close, start_connector_engine
+from support.engines import EngineProcess
 
 pytestmark = pytest.mark.vllm
 
-MODEL_ID = "kvstack-test-tiny-weighted"  # kv_connector_extra_config.model_id: the keys' model name
 CHUNK = 256  # the cache_server fixture's chunk size (connector/conftest.py)
 BLOCK = 128
 # What the workers report for vLLM 0.32's CPU backend, and so the namespace of the engines' chunk keys.
@@ -46,8 +39,6 @@ BLOCK_LAYOUT = block_layout_name(PAGED_LAYOUT, platform="cpu", backend="CPU_ATTN
 LAYOUT = kv_layout(
     MODEL_ID, AttentionShape(2, 2, 64, "bfloat16", BLOCK), block_layout=BLOCK_LAYOUT, tp_rank=0, tp_size=1
 )
-# bf16 logits: a prefill split at another point (loaded prefix + rest) rounds differently from a whole one.
-LOGPROB_TOLERANCE = 0.1
 
 
 def prompt(seed: int, n: int = 600) -> list[int]:
@@ -70,49 +61,8 @@ CHAT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with seeded random weights (written by transformers in the vLLM environment)."""
-    require_vllm()
-    directory = tmp_path_factory.mktemp("weighted") / "model"
-    shutil.copytree(tiny_model_dir, directory)
-    script = textwrap.dedent(
-        """
-        import sys, torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-        config = AutoConfig.from_pretrained(sys.argv[1])
-        config.initializer_range = 0.1
-        torch.manual_seed(20261202)
-        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(sys.argv[1])
-        """
-    )
-    subprocess.run([str(vllm_python()), "-c", script, str(directory)], check=True, capture_output=True)
-    return directory
-
-
 def start_engine(model: Path, workdir: Path, server: str) -> EngineProcess:
-    """vLLM with the connector, imported from this checkout's src/."""
-    config: dict[str, object] = {
-        "kv_connector": "KVStackConnector",
-        "kv_connector_module_path": "kvstack.connector.vllm_v1",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": server, "model_id": MODEL_ID, "chunk_size": CHUNK},
-    }
-    return start_vllm(
-        model,
-        workdir,
-        extra_args=["--load-format", "safetensors"],  # real (random) weights, see the module docstring
-        kv_transfer_config=config,
-        env={"PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])},
-    )
-
-
-@dataclass(frozen=True)
-class Answer:
-    tokens: list[str]
-    top: list[dict[str, float]]
-    prompt_tokens: int
+    return start_connector_engine(model, workdir, server, chunk_size=CHUNK)
 
 
 def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -193,15 +143,6 @@ def metric(engine: EngineProcess, name: str, **labels: str) -> float:
 
 def external_hits(engine: EngineProcess) -> float:
     return metric(engine, "vllm:external_prefix_cache_hits_total")
-
-
-def assert_close(answer: Answer, cold: Answer) -> None:
-    """Same greedy tokens; top logprobs within bf16 rounding of a prefill split elsewhere."""
-    assert answer.tokens == cold.tokens
-    for got, want in zip(answer.top, cold.top, strict=True):
-        common = set(got) & set(want)
-        assert len(common) >= 4, (got, want)
-        assert all(abs(got[t] - want[t]) < LOGPROB_TOLERANCE for t in common), (got, want)
 
 
 def keys(tokens: list[int]) -> list[ChunkKey]:

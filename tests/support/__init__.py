@@ -4,6 +4,7 @@
 - ``waiting``: ``wait_until`` (sync) and ``eventually`` (async), one signature, a message naming the wait.
 - ``processes``: subprocesses in their own process group, stopped by that group's id.
 - ``engines``: ``kvstack sim`` and real vLLM servers; the vLLM virtualenv and ``require_vllm``.
+- ``connector``: real vLLM with kvstack's KV connector: the weighted tiny model, engines, greedy answers.
 - ``metrics``: Prometheus pages as samples, sums of samples and counter totals.
 - ``routers``: routers in this event loop in front of in-process simulated engines; a raw fake engine.
 - ``end_to_end``: the router end-to-end tests' router, engines (processes or in-process), bodies, SSE reader.

@@ -1,6 +1,10 @@
 """``kvstack up``: a local stack in one command: simulated engines, a KV cache server (a child
 ``kvstack cache-server`` process) and a front end on ``--port``, engines on the ports after it.
 
+Engines: ``--engines N`` colocated ones (each serves whole requests; 2 by default), and for
+prefill/decode disaggregation ``--prefill-engines P --decode-engines D`` (both or neither; with them
+``--engines`` defaults to 0, and routing to the "pd" preset). Every engine shares the cache server.
+
 Front ends: ``proxy`` (kvstack's router, in this process) or ``envoy`` (real Envoy as a child process, from
 the ``envoy`` next to this Python or on PATH, with kvstack's endpoint picker in this process on free ports;
 Envoy's bootstrap from `kvstack.epp.envoy_config`, written to a temporary directory)."""
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvstack.cli.signals import serve_until_signal
+from kvstack.engines.state import EngineRole
 from kvstack.sim.kv_connector import DEFAULT_CHUNK_SIZE
 
 
@@ -23,13 +28,33 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser(
         "up", help="a local stack: simulated engines and a KV cache server with the router in front"
     )
-    p.add_argument("--engines", type=int, default=2)
-    p.add_argument("--port", type=int, default=8080, help="router port; engines use port+1 .. port+N")
+    p.add_argument(
+        "--engines",
+        type=int,
+        default=None,
+        help="colocated engines, each serving whole requests (default 2, or 0 with prefill/decode engines)",
+    )
+    p.add_argument(
+        "--prefill-engines", type=int, default=0, help="prefill-only engines (P/D; needs --decode-engines)"
+    )
+    p.add_argument(
+        "--decode-engines", type=int, default=0, help="decode engines (P/D; needs --prefill-engines)"
+    )
+    p.add_argument(
+        "--port",
+        type=int,
+        default=8080,
+        help="router port; engines use port+1 .. port+N (colocated, then prefill, then decode)",
+    )
     p.add_argument(
         "--model", default=None, help="model directory for the engines' tokenizer (default built-in)"
     )
     p.add_argument("--served-model-name", default="kvstack-sim")
-    p.add_argument("--routing", default="auto")
+    p.add_argument(
+        "--routing",
+        default=None,
+        help='a preset or a YAML file (default "auto"; "pd" with prefill/decode engines)',
+    )
     p.add_argument(
         "--front-end",
         choices=["proxy", "envoy"],
@@ -53,6 +78,30 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     g.add_argument("--cache-memory-mb", type=float, default=256.0, help="the cache server's memory budget")
     g.add_argument("--cache-chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, help="tokens per chunk")
     p.add_argument("--log-level", default="warning")
+
+
+def engine_roles(engines: int | None, prefill: int, decode: int) -> list[EngineRole]:
+    """Each engine's role, in port order: colocated, then prefill, then decode. ValueError (saying what to
+    pass instead) for counts that make no stack."""
+    if min(engines or 0, prefill, decode) < 0:
+        raise ValueError("engine counts must not be negative")
+    if prefill and not decode:
+        raise ValueError("--prefill-engines needs --decode-engines: a prefill engine hands every request on")
+    if decode and not prefill:
+        raise ValueError(
+            "--decode-engines needs --prefill-engines; engines that prefill their own requests are colocated "
+            "ones: use --engines"
+        )
+    colocated = engines if engines is not None else (0 if prefill else 2)
+    roles = [EngineRole.BOTH] * colocated + [EngineRole.PREFILL] * prefill + [EngineRole.DECODE] * decode
+    if not roles:
+        raise ValueError("no engines: pass --engines N, or --prefill-engines P --decode-engines D")
+    return roles
+
+
+def default_routing(roles: list[EngineRole]) -> str:
+    """The routing when ``--routing`` is not given: "pd" as soon as some engine has a P/D role."""
+    return "pd" if any(role is not EngineRole.BOTH for role in roles) else "auto"
 
 
 @dataclass(frozen=True)
@@ -188,11 +237,25 @@ def run(args: argparse.Namespace) -> int:
     from kvstack.epp.server import EppOptions, running_epp
     from kvstack.frontend.kv_feeds import CacheEvents
     from kvstack.router.server import RouterOptions, running_router
+    from kvstack.scheduling import load_routing
     from kvstack.sim.cluster import SimOptions, start_engine, stop_engine
     from kvstack.sim.engine import EngineConfig
     from kvstack.sim.kv_connector import CacheTierConfig, sim_kv_layout
     from kvstack.sim.textgen import OutputSampler
 
+    try:
+        roles = engine_roles(args.engines, args.prefill_engines, args.decode_engines)
+    except ValueError as exc:
+        print(f"kvstack up: {exc}", file=sys.stderr)
+        return 2
+    routing = args.routing if args.routing is not None else default_routing(roles)
+    if routing != "auto":
+        try:
+            load_routing(routing)  # before anything starts: a typo or a missing preset is one line
+        except ValueError as exc:
+            given = "--routing" if args.routing is not None else "routing (the default for these engines)"
+            print(f"kvstack up: {given} {routing!r}: {exc}", file=sys.stderr)
+            return 2
     tokenizer = load_tokenizer(args.model)
     name = args.served_model_name
     engine_cfg = EngineConfig(model_name=name, time_scale=args.time_scale)
@@ -221,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         served_model_names=[name],
         model_root=model_root,
         port=args.port + 1,
-        engines=args.engines,
+        engines=len(roles),
         enable_prompt_tokens_details=True,
         cache_tier=cache_tier,
     )
@@ -232,11 +295,13 @@ def run(args: argparse.Namespace) -> int:
         engines = []
         try:
             sampler = OutputSampler(tokenizer)
-            for i in range(args.engines):
+            for i in range(len(roles)):
                 engines.append(await start_engine(sim, tokenizer, sampler, i))
-            shared = {
-                "engines": [Endpoint(e.url, node=node) for e in engines],
-                "routing": args.routing,
+            shared: dict[str, Any] = {
+                "engines": [
+                    Endpoint(e.url, node=node, role=role) for e, role in zip(engines, roles, strict=True)
+                ],
+                "routing": routing,
                 "tokenizers": {"*": args.model} if args.model else {},
                 "cache_events": []
                 if plan is None
@@ -268,10 +333,12 @@ def run(args: argparse.Namespace) -> int:
                     )
                     url, front = router.url, "the router"
                     detail = [f"  router:   {url}  (/engines, /metrics, /ready)"]
-                parts = f"{len(engines)} simulated engine(s)" + ("" if plan is None else " + KV cache server")
-                print(f"kvstack: {parts} serving {name!r} behind {front}")
-                for e in engines:
-                    print(f"  engine {e.index}: {e.url}  (kv events {e.events_endpoint})")
+                counts = ", ".join(f"{roles.count(r)} {r.value}" for r in EngineRole if r in roles)
+                parts = f"{len(engines)} simulated engine(s) ({counts})"
+                parts += "" if plan is None else " + KV cache server"
+                print(f"kvstack: {parts} serving {name!r} behind {front}, routing {routing!r}")
+                for e, role in zip(engines, roles, strict=True):
+                    print(f"  engine {e.index}: {e.url}  {role.value:<7}  (kv events {e.events_endpoint})")
                 if plan is not None:
                     print(
                         f"  cache:    {plan.bind}  (events {plan.events}, node {node}, "

@@ -31,24 +31,26 @@ class ConfigError(ValueError):
 class ConnectorConfig:
     """The ``kv_connector_extra_config`` keys, all optional but ``server``:
 
-    =============  ===========  =====================================================================
-    key            default      meaning
-    =============  ===========  =====================================================================
-    server         (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
-    chunk_size     256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
-    load           true         look chunks up and load them into the engine's KV blocks
-    save           true         save the chunks the engine computes
-    timeout_s      1.0          bound of one round trip to the server (a lookup holds the scheduler)
-    retry_max_s    30.0         after failures, the server is skipped (misses, no I/O) for up to this long
-    model_id       model path   the model's name in chunk keys: set it when engines load the same
-                                weights from different paths, so that they share chunks
-    secret_file    none         file with the server's shared secret (see ``kvstack cache-server``)
-    shm            true         payloads through shared memory when the server is on the same host
-    arena_mb       128          that shared memory, per client: a worker has two (loads, and saves on
-                                their background thread); the scheduler's client only looks up
-    save_queue     64           save jobs (a request's new chunks of one step) waiting for the worker's
-                                save thread; a step's save that finds it full is dropped and counted
-    =============  ===========  =====================================================================
+    ==============  ===========  =====================================================================
+    key             default      meaning
+    ==============  ===========  =====================================================================
+    server          (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
+    chunk_size      256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
+    load            true         look chunks up and load them into the engine's KV blocks
+    save            true         save the chunks the engine computes
+    timeout_s       1.0          bound of one round trip to the server (a lookup holds the scheduler)
+    retry_max_s     30.0         after failures, the server is skipped (misses, no I/O) for up to this long
+    model_id        model path   the model's name in chunk keys: set it when engines load the same
+                                 weights from different paths, so that they share chunks
+    secret_file     none         file with the server's shared secret (see ``kvstack cache-server``)
+    shm             true         payloads through shared memory when the server is on the same host
+    arena_mb        128          that shared memory, per client: a worker has two (loads, and saves on
+                                 their background thread); the scheduler's client only looks up
+    save_queue      64           save jobs (a request's new chunks of one step) waiting for the worker's
+                                 save thread; a step's save that finds it full is dropped and counted
+    prefill_wait_s  2.0          P/D: how long a decode request waits for the chunks its prefill engine
+                                 announced (``kvstack.connector.handoff``) before computing what is missing
+    ==============  ===========  =====================================================================
     """
 
     server: str
@@ -62,6 +64,7 @@ class ConnectorConfig:
     shm: bool = True
     arena_mb: int = 128
     save_queue: int = 64
+    prefill_wait_s: float = 2.0
 
     def check_block_size(self, block_size: int) -> None:
         """Chunks hold whole blocks: the connector moves blocks, never parts of one."""
@@ -96,6 +99,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "shm": (bool,),
     "arena_mb": (int,),
     "save_queue": (int,),
+    "prefill_wait_s": (int, float),
 }
 
 
@@ -133,6 +137,8 @@ def parse_config(extra: Mapping[str, Any] | None) -> ConnectorConfig:
         raise ConfigError(f"kvstack connector: arena_mb must be >= 1, got {config.arena_mb}")
     if config.save_queue < 1:
         raise ConfigError(f"kvstack connector: save_queue must be >= 1, got {config.save_queue}")
+    if config.prefill_wait_s < 0:
+        raise ConfigError(f"kvstack connector: prefill_wait_s must be >= 0, got {config.prefill_wait_s}")
     if config.model_id is not None and not config.model_id:
         raise ConfigError("kvstack connector: model_id must not be empty")
     return config

@@ -4,8 +4,10 @@ each step's `StepPlan` (see ``kvstack.connector.plan`` for the rules).
 `ChunkPlanner` follows vLLM's calls one for one: ``match`` (get_num_new_matched_tokens: a lookup, no
 other effect than remembering its answer), ``allocated`` (update_state_after_alloc), ``schedule_new`` /
 ``schedule_cached`` / ``preempted`` and ``take_plan`` (build_connector_meta), ``acknowledged``
-(update_connector_output: save jobs the workers are done reading), ``finished`` (request_finished). The
-lookup and the key function are passed in, so tests drive it with a dict for a store.
+(update_connector_output: save jobs the workers are done reading), ``finished`` (request_finished).
+``stored_end``, ``chunk_key`` and ``handed_off`` answer P/D disaggregation's questions
+(``kvstack.connector.handoff``). The lookup and the key function are passed in, so tests drive it with a
+dict for a store.
 
 Saves are asynchronous: each planned save job must be acknowledged by every worker before a request's
 blocks may be freed. ``finished`` answers whether vLLM must keep them (some job not acknowledged yet);
@@ -168,6 +170,21 @@ class ChunkPlanner:
                 split[tier] = split.get(tier, 0) + hi - lo
         return split
 
+    def stored_end(self, req_id: str) -> int | None:
+        """Prompt tokens from its start that the last ``match`` found in the local hit or the store (a chunk
+        multiple); None when it looked nothing up."""
+        match = self._matches.get(req_id)
+        if match is None or not self.load:
+            return None
+        return (match.first_chunk + len(match.tiers)) * self.chunk_size
+
+    def chunk_key(self, req_id: str, chunk: int) -> ChunkKey | None:
+        """Rank 0's key of full chunk ``chunk`` of a prompt ``match`` saw (None if there is no such chunk)."""
+        match = self._matches.get(req_id)
+        if match is None or not 0 <= chunk < len(match.keys):
+            return None
+        return match.keys[chunk][0]
+
     # -- build_connector_meta
 
     def schedule_new(
@@ -240,6 +257,15 @@ class ChunkPlanner:
                 self._unacked[req_id] = left - n
             else:
                 del self._unacked[req_id]
+
+    def handed_off(self, req_id: str) -> tuple[int, ChunkKey | None]:
+        """Before ``finished``: the prompt tokens from its start whose chunks the store holds or is being sent
+        (a chunk multiple; a local prefix hit's chunks count as stored), and rank 0's key of the last one."""
+        tracked = self._requests.get(req_id)
+        chunks = 0 if tracked is None else min(tracked.next_save, len(tracked.keys))
+        if tracked is None or chunks == 0:
+            return 0, None
+        return chunks * self.chunk_size, tracked.keys[chunks - 1][0]
 
     def finished(self, req_id: str) -> bool:
         """Forget the request; True when vLLM must keep its blocks (saves in flight) until the workers

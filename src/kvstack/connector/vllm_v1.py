@@ -7,13 +7,15 @@ Load it with ``--kv-transfer-config '{"kv_connector": "KVStackConnector", "kv_co
 vLLM builds it twice. The scheduler half answers ``get_num_new_matched_tokens`` with one lookup on the
 cache server and plans each step's loads and saves (``kvstack.connector.planner``); the worker half copies
 chunks into the allocated blocks in ``start_load_kv`` (synchronous, before the forward pass) and, in
-``wait_for_save``, hands the step's newly computed full chunks to a background thread that saves them
-(``kvstack.connector.saves``; a full queue drops the save, the forward pass never waits).
+``wait_for_save``, hands the step's new full chunks to a background thread that saves them
+(``kvstack.connector.saves``; a full queue drops the save, the forward pass never waits). P/D
+disaggregation goes through the tier (``kvstack.connector.handoff``): a prefill request's params name the
+chunks it leaves there; a decode request carrying them waits for them, for at most ``prefill_wait_s``.
 
-Faults never reach vLLM as exceptions: a lookup that fails is a miss, a load that fails reports its blocks
-in ``get_block_ids_with_load_errors`` (vLLM recomputes them under ``"kv_load_failure_policy": "recompute"``;
-under its default, "fail", the request fails), a save that fails is dropped and counted. A KV cache layout
-or model the connector cannot handle turns it off (logged once); the engine then runs without it.
+Faults never reach vLLM as exceptions: a failed lookup is a miss, a failed load reports its blocks in
+``get_block_ids_with_load_errors`` (recomputed under ``"kv_load_failure_policy": "recompute"``; under vLLM's
+default, "fail", the request fails), a failed save is dropped and counted. A KV cache layout or model the
+connector cannot handle turns it off (logged once); the engine then runs without it.
 """
 
 # torch and vLLM are not in kvstack's dev environment; they are in the vLLM environment this runs in.
@@ -38,6 +40,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import ChunkKey
 from kvstack.connector.config import ConnectorConfig, parse_config
+from kvstack.connector.handoff import Handoff, HandoffWaits, handoff_of, prefill_answer
 from kvstack.connector.layout import AttentionShape, block_layout_name, detect_layout, kv_layout
 from kvstack.connector.plan import RequestSave, StepPlan
 from kvstack.connector.planner import ChunkPlanner, keys_by_rank
@@ -172,12 +175,14 @@ def cacheable_tokens(request: Request) -> list[int] | None:
 class KVStackConnector(KVConnectorBase_V1):
     """kvstack's KV cache tier behind vLLM's KV connector API (see the module docstring).
 
-    ``wait_for_layer_load`` and ``save_kv_layer`` do nothing: the whole step's KV is moved at once. Blocks a
-    save reads stay allocated until it has read them (vLLM 0.32's contract):
+    ``wait_for_layer_load`` and ``save_kv_layer`` do nothing: the whole step's KV is moved at once.
+    ``get_num_new_matched_tokens`` answers None ("ask again later": vLLM skips the request for a step) while a
+    decode request waits for the chunks its prefill engine handed off. Blocks a save reads stay allocated
+    until it has read them (vLLM 0.32's contract):
 
     - the workers acknowledge each save job once done reading, through their worker metadata;
-    - ``request_finished`` returns ``(False, None)`` when every save job of the request is acknowledged (or
-      it had none), else ``(True, None)``: vLLM keeps the blocks, the next plan lists the request as held,
+    - ``request_finished`` returns False when every save job of the request is acknowledged (or it had
+      none), else True: vLLM keeps the blocks, the next plan lists the request as held,
       and the workers report it in ``get_finished`` (``finished_sending``) once, when its jobs are done;
       vLLM passes it in that step's ``finished_req_ids`` too, as the contract requires;
     - preemption frees blocks without ``request_finished``: the next plan lists preempted requests with
@@ -228,6 +233,9 @@ class KVStackConnector(KVConnectorBase_V1):
         # scheduler half
         self._planner: ChunkPlanner | None = None
         self._said_waiting = False
+        self._handoffs = HandoffWaits(self._config.prefill_wait_s)
+        # P/D problems, each throttled on its own: one must not hide the other.
+        self._warn_keys, self._warn_late = ThrottledLog(log, 10.0), ThrottledLog(log, 10.0)
         # worker half
         self._mover: BlockMover | None = None
         self._saves: SaveQueue[Payloads] = SaveQueue(
@@ -334,11 +342,47 @@ class KVStackConnector(KVConnectorBase_V1):
                 "looked up or saved"
             )
         try:
+            handoff = handoff_of(request.kv_transfer_params)
+            if handoff is not None and not self._handoffs.due(request.request_id):
+                return None, False  # waiting for a prefill engine's chunks; not time to look again
             tokens = cacheable_tokens(request)
-            return self._planner.match(request.request_id, tokens, num_computed_tokens), False
+            matched = self._planner.match(request.request_id, tokens, num_computed_tokens)
+            if handoff is not None and self._awaits(request.request_id, handoff):
+                return None, False  # vLLM asks again next step
+            return matched, False
         except Exception as e:  # never into vLLM's scheduler loop
             self._warn.warning("kvstack connector: lookup of %s failed (%r); a miss", request.request_id, e)
             return 0, False
+
+    def _awaits(self, req_id: str, handoff: Handoff) -> bool:
+        """Whether a decode request should wait for more of the chunks its prefill engine handed off (see
+        ``kvstack.connector.handoff``), after a lookup."""
+        planner = self._planner
+        assert planner is not None
+        stored = planner.stored_end(req_id)
+        if stored is None:
+            return False  # nothing looked up: off, not loading, or a prompt the tier must not serve
+        if planner.chunk_key(req_id, handoff.tokens // self._config.chunk_size - 1) != handoff.key:
+            self._warn_keys.warning(
+                "kvstack connector: request %s: its prefill engine saved the prompt under other chunk keys "
+                "than this engine computes (another kv_connector_extra_config model_id or chunk_size, KV "
+                "cache layout or tensor-parallel size, or other prompt tokens); computing the prompt. Give "
+                "prefill and decode engines the same model, layout and connector settings",
+                req_id,
+            )
+            return False
+        if self._handoffs.keep_waiting(req_id, handoff, stored):
+            return True
+        if stored < handoff.tokens:
+            self._warn_late.warning(
+                "kvstack connector: request %s: %d of the %d prompt tokens its prefill engine handed off "
+                "are in the tier after %.1f s (prefill_wait_s); computing the rest",
+                req_id,
+                stored,
+                handoff.tokens,
+                self._handoffs.wait_s,
+            )
+        return False
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -402,6 +446,9 @@ class KVStackConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         planner = self._planner
         assert planner is not None
+        self._handoffs.end(request.request_id)
+        tokens, key = planner.handed_off(request.request_id)
+        params = prefill_answer(request.kv_transfer_params, tokens, key)
         held = planner.finished(request.request_id)
         if held and planner.num_held == 1:
             log.info(
@@ -409,7 +456,7 @@ class KVStackConnector(KVConnectorBase_V1):
                 "the workers have read them (logged for the first such request only)",
                 request.request_id,
             )
-        return held, None
+        return held, params
 
     # ==============================
     # Worker half
