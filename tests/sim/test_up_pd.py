@@ -71,18 +71,6 @@ def test_up_refuses_them_before_starting_anything() -> None:
     assert run.returncode == 2 and "--prefill-engines needs --decode-engines" in run.stderr
 
 
-# TODO: once the "pd" preset exists, drop --routing below: `up` then routes with "pd" by default (what
-# test_engine_counts_give_roles_in_port_order_and_the_default_routing checks it asks for).
-ROUND_ROBIN = """\
-plugins:
-- type: round-robin-picker
-schedulingProfiles:
-- name: default
-  plugins:
-  - pluginRef: round-robin-picker
-"""
-
-
 def _wait_banner(log_path: Path, proc: subprocess.Popen[bytes], budget_s: float = 60.0) -> str:
     deadline = time.monotonic() + budget_s
     while time.monotonic() < deadline:
@@ -98,13 +86,10 @@ def _wait_banner(log_path: Path, proc: subprocess.Popen[bytes], budget_s: float 
 @pytest.mark.timeout(120)
 async def test_up_with_one_prefill_and_two_decode_engines_serves_and_reports_roles(tmp_path: Path) -> None:
     ports = free_ports(4)
-    routing = tmp_path / "routing.yaml"
-    routing.write_text(ROUND_ROBIN)
     log_path = tmp_path / "up.log"
     cmd = [
         sys.executable, "-m", "kvstack.cli", "up", "--prefill-engines", "1", "--decode-engines", "2",
         "--port", str(ports.start), "--time-scale", "20", "--served-model-name", MODEL,
-        "--routing", str(routing),
     ]  # fmt: skip
     proc = spawn(cmd, log_path)
     url = f"http://127.0.0.1:{ports.start}"
@@ -134,25 +119,31 @@ async def test_up_with_one_prefill_and_two_decode_engines_serves_and_reports_rol
             assert answer.choices[0].message.content
             await client.close()
 
-            # The engines speak vLLM's P/D protocol: by hand, the prefill engine's answer makes a decode
-            # engine skip the prompt (every token but the last counts as transferred).
-            prompt = fresh_prompt(40, 300)
-            body = {
-                "model": MODEL,
-                "prompt": prompt,
-                "max_tokens": 1,
-                "kv_transfer_params": {"do_remote_decode": True},
-            }
-            async with http.post(f"{engine_urls[0]}/v1/completions", json=body) as r:
-                params = (await r.json())["kv_transfer_params"]
-            assert params["do_remote_prefill"] is True
-            before = await metrics(http, engine_urls[1])
-            body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "kv_transfer_params": params}
-            async with http.post(f"{engine_urls[1]}/v1/completions", json=body) as r:
+            # Routing "pd" (the default with P/D engines): a short prompt is decoded alone, a long one is
+            # prefilled on the prefill engine first, and its decode engine counts the prompt as transferred.
+            before = await metrics(http, url)
+            async with http.post(
+                f"{url}/v1/completions",
+                json={"model": MODEL, "prompt": fresh_prompt(41, 40), "max_tokens": 2},
+            ) as r:
                 assert r.status == 200, await r.text()
-            after = await metrics(http, engine_urls[1])
+            short = await metrics(http, url)
+            prefilled = "kvstack_pd_prefills_total{outcome=ok}"  # samples() leaves the engine label out
+            assert short.get(prefilled, 0.0) == before.get(prefilled, 0.0)
+            decoders = [await metrics(http, e) for e in engine_urls[1:]]
+            prompt = fresh_prompt(40, 600)
+            async with http.post(
+                f"{url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2}
+            ) as r:
+                assert r.status == 200, await r.text()
+            long = await metrics(http, url)
+            assert long[prefilled] - short.get(prefilled, 0.0) == 1
             key = "vllm:prompt_tokens_by_source_total{source=external_kv_transfer}"
-            assert after[key] - before.get(key, 0.0) == len(prompt) - 1
+            moved = [
+                (await metrics(http, e)).get(key, 0.0) - d.get(key, 0.0)
+                for e, d in zip(engine_urls[1:], decoders, strict=True)
+            ]
+            assert sorted(moved) == [0.0, len(prompt) - 1]
 
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0, log_path.read_text(errors="replace")
