@@ -7,7 +7,10 @@ prefill/decode disaggregation ``--prefill-engines P --decode-engines D`` (both o
 
 Front ends: ``proxy`` (kvstack's router, in this process) or ``envoy`` (real Envoy as a child process, from
 the ``envoy`` next to this Python or on PATH, with kvstack's endpoint picker in this process on free ports;
-Envoy's bootstrap from `kvstack.epp.envoy_config`, written to a temporary directory)."""
+Envoy's bootstrap from `kvstack.epp.envoy_config`, written to a temporary directory). With Envoy, each
+decode engine gets a P/D sidecar (`kvstack.router.sidecar`, in this process on a free port, the prefill
+engines its allowlist): the picker and Envoy list that decode engine at its sidecar's URL, and the sidecar
+sends the prefill the picker names before the decode."""
 
 from __future__ import annotations
 
@@ -228,6 +231,24 @@ async def _wait_live(proc: asyncio.subprocess.Process, admin_url: str, budget_s:
     raise SystemExit(f"kvstack up: envoy was not ready within {budget_s:.0f} s")
 
 
+async def _start_sidecars(
+    stack: contextlib.AsyncExitStack, urls: list[str], roles: list[EngineRole]
+) -> dict[str, str]:
+    """A P/D sidecar on a free port in front of each decode engine, allowing the prefill engines; stopped
+    with ``stack``. Returns decode engine URL -> its sidecar's URL."""
+    from kvstack.engines.state import Endpoint
+    from kvstack.router.sidecar import SidecarOptions, running_sidecar
+
+    pairs = list(zip(urls, roles, strict=True))
+    prefill = [Endpoint(u, role=role) for u, role in pairs if role is EngineRole.PREFILL]
+    sidecars = {}
+    for url, role in pairs:
+        if role is EngineRole.DECODE:
+            opts = SidecarOptions(engine=url, port=0, prefill_engines=prefill)
+            sidecars[url] = (await stack.enter_async_context(running_sidecar(opts))).url
+    return sidecars
+
+
 def run(args: argparse.Namespace) -> int:
     import socket
 
@@ -297,17 +318,21 @@ def run(args: argparse.Namespace) -> int:
             sampler = OutputSampler(tokenizer)
             for i in range(len(roles)):
                 engines.append(await start_engine(sim, tokenizer, sampler, i))
-            shared: dict[str, Any] = {
-                "engines": [
-                    Endpoint(e.url, node=node, role=role) for e, role in zip(engines, roles, strict=True)
-                ],
-                "routing": routing,
-                "tokenizers": {"*": args.model} if args.model else {},
-                "cache_events": []
-                if plan is None
-                else [CacheEvents(plan.events, node=node, replay_endpoint=plan.replay)],
-            }
             async with contextlib.AsyncExitStack() as stack:
+                urls = [e.url for e in engines]
+                sidecars = await _start_sidecars(stack, urls, roles) if args.front_end == "envoy" else {}
+                # Where the front end reaches each engine: its own URL, or its sidecar's.
+                listed = [sidecars.get(u, u) for u in urls]
+                shared: dict[str, Any] = {
+                    "engines": [
+                        Endpoint(u, node=node, role=role) for u, role in zip(listed, roles, strict=True)
+                    ],
+                    "routing": routing,
+                    "tokenizers": {"*": args.model} if args.model else {},
+                    "cache_events": []
+                    if plan is None
+                    else [CacheEvents(plan.events, node=node, replay_endpoint=plan.replay)],
+                }
                 if args.front_end == "envoy":
                     epp = await stack.enter_async_context(
                         running_epp(EppOptions(grpc_port=0, http_port=0, **shared))
@@ -315,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
                     admin_port = _free_port()
                     envoy = EnvoyOptions(
                         pickers=(epp.grpc_address,),
-                        engines=tuple(e.url.removeprefix("http://") for e in engines),
+                        engines=tuple(u.removeprefix("http://") for u in listed),
                         listen_host="127.0.0.1",
                         listen_port=args.port,
                         admin_port=admin_port,
@@ -327,6 +352,7 @@ def run(args: argparse.Namespace) -> int:
                         f"  envoy:    {url}  (admin {admin})",
                         f"  picker:   grpc://{epp.grpc_address}  {epp.http_url} (/engines, /metrics, /ready)",
                     ]
+                    detail += [f"  sidecar:  {s}  (P/D, for engine {e})" for e, s in sidecars.items()]
                 else:
                     router = await stack.enter_async_context(
                         running_router(RouterOptions(port=args.port, **shared))
