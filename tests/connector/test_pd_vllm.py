@@ -12,6 +12,7 @@ client's body with those params. The decode engine loads the prompt's full chunk
 
 from __future__ import annotations
 
+import asyncio
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -24,10 +25,13 @@ import pytest
 import openai
 from kvstack.cache.keys import ChunkKey, chunk_keys
 from kvstack.connector import PAGED_LAYOUT, AttentionShape, block_layout_name, kv_layout, loadable_end
+from kvstack.engines.state import Endpoint, EngineRole
+from kvstack.router.server import RouterOptions, running_router
 from support.cache import CacheServerProcess
 from support.connector import MODEL_ID, Answer, assert_close, start_connector_engine
 from support.engines import EngineProcess
 from support.metrics import sample_sum
+from support.waiting import eventually
 
 pytestmark = pytest.mark.vllm
 
@@ -56,7 +60,8 @@ UNSAVED = prompt(120, 600)  # never prefilled: a plain request to the decode eng
 EVICTED = prompt(121, 600)  # prefilled, then its chunks evicted before the decode request
 EARLY = prompt(122, 600)  # its chunks are held back until its decode request waits for them
 MISKEYED = prompt(123, 600)  # a decode request whose params name another prompt's chunk
-EVERY = [*PROMPTS.values(), *CONCURRENT, UNSAVED, EVICTED, EARLY, MISKEYED]
+ROUTED = prompt(124, 700)  # through kvstack's router on the pd preset
+EVERY = [*PROMPTS.values(), *CONCURRENT, UNSAVED, EVICTED, EARLY, MISKEYED, ROUTED]
 
 
 def keys(tokens: list[int]) -> list[ChunkKey]:
@@ -68,12 +73,32 @@ def loaded(tokens: list[int]) -> int:
     return loadable_end(len(tokens), len(tokens) // CHUNK * CHUNK, BLOCK)
 
 
-def client(engine: EngineProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{engine.url}/v1", api_key="unused", max_retries=0, timeout=120)
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
 
 
 def generate(
     engine: EngineProcess,
+    tokens: list[int],
+    *,
+    max_tokens: int = MAX_TOKENS,
+    kv_transfer_params: dict[str, Any] | None = None,
+    cache_salt: str | None = None,
+) -> tuple[Answer, Any]:
+    """``generate_at`` an engine."""
+    return generate_at(
+        engine.url,
+        engine.model,
+        tokens,
+        max_tokens=max_tokens,
+        kv_transfer_params=kv_transfer_params,
+        cache_salt=cache_salt,
+    )
+
+
+def generate_at(
+    url: str,
+    model: str,
     tokens: list[int],
     *,
     max_tokens: int = MAX_TOKENS,
@@ -87,8 +112,8 @@ def generate(
         extra["kv_transfer_params"] = kv_transfer_params
     if cache_salt is not None:
         extra["cache_salt"] = cache_salt
-    reply = client(engine).completions.create(
-        model=engine.model,
+    reply = client(url).completions.create(
+        model=model,
         prompt=tokens,
         max_tokens=max_tokens,
         temperature=0,
@@ -319,3 +344,33 @@ def test_without_the_chunks_in_the_tier_the_decode_engine_computes_the_prompt(
     assert time.monotonic() - started < WAIT_S
     assert_close(answer, colocated[tuple(MISKEYED)])
     assert "saved the prompt under other chunk keys" in decoder.log_path.read_text(errors="replace")
+
+
+async def test_the_router_on_the_pd_preset_does_the_handoff(
+    engines: dict[str, EngineProcess], colocated: dict[tuple[int, ...], Answer]
+) -> None:
+    """kvstack's router, roles from the engine specs, routing "pd": a long prompt is prefilled on the prefill
+    engine, the decode engine loads it from the tier and answers as the colocated engine does."""
+    prefiller, decoder = engines["prefill"], engines["decode"]
+    endpoints = [
+        Endpoint(prefiller.url, role=EngineRole.PREFILL),
+        Endpoint(decoder.url, role=EngineRole.DECODE),
+    ]
+    async with running_router(RouterOptions(port=0, engines=endpoints, routing="pd")) as router:
+        await eventually(
+            lambda: all(e.state.endpoint.models and not e.state.metrics_stale for e in router.app.registry),
+            what="both engines known",
+            timeout_s=30,
+        )
+        before = await asyncio.to_thread(loads, decoder)
+        answer, _ = await asyncio.to_thread(generate_at, router.url, decoder.model, ROUTED)
+        moved = grown(await asyncio.to_thread(loads, decoder), before)
+        assert moved == {
+            "hits": loaded(ROUTED),
+            "external": loaded(ROUTED),
+            "computed": len(ROUTED) - loaded(ROUTED),
+        }
+        assert_close(answer, colocated[tuple(ROUTED)])
+        text = router.app.metrics.render().decode()
+        assert sample_sum(text, "kvstack_pd_prefills_total", outcome="ok") == 1
+        assert sample_sum(text, "kvstack_pd_fallbacks_total") == 0
