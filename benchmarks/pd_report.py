@@ -4,6 +4,7 @@ Every time is modelled (client wall time multiplied by the sims' time scale), so
 engine with the latency model would show them; throughputs are per modelled second likewise. ``row_of``
 splits a setup's requests into long prompts and short chats (the turn's group): TTFT p50/p99 of each,
 inter-token latency (ITL, the gaps between streamed content chunks) p50/p99 of all and of long requests,
+end-to-end time of long requests (p50),
 the share of gaps of ``SLOW_GAP_S`` or more (a decode step that carried a prefill chunk) as the client saw
 it and as the engines' own histograms counted it (with their p99 bucket), the share of gaps of 0 (two chunks
 read at once: the client or router fell behind), throughput, and the router's prefills and fallbacks.
@@ -113,6 +114,7 @@ RATIO_KEYS = (
     "itl_p50",
     "itl_p99",
     "itl_long_p99",
+    "e2e_long_p50",
     "slow_gaps",
     "engine_slow_gaps",
     "out_tok_per_s",
@@ -166,6 +168,7 @@ COLUMNS: tuple[tuple[str, Callable[[dict[str, Any]], str]], ...] = (
     ("ITL p50", lambda r: ms(r.get("itl_p50"))),
     ("ITL p99", lambda r: ms(r.get("itl_p99"))),
     ("ITL long p99", lambda r: ms(r.get("itl_long_p99"))),
+    ("e2e long p50", lambda r: ms(r.get("e2e_long_p50"))),
     (
         "engine ITL p99",
         lambda r: "-" if r.get("engine_itl_p99_le") is None else f"≤ {ms(r['engine_itl_p99_le'])}",
@@ -195,6 +198,7 @@ RATIO_COLUMNS: tuple[tuple[str, str], ...] = (
     ("ITL p50", "itl_p50"),
     ("ITL p99", "itl_p99"),
     ("ITL long p99", "itl_long_p99"),
+    ("e2e long p50", "e2e_long_p50"),
     ("gaps ≥100 ms (engine)", "engine_slow_gaps"),
     ("out tok/s", "out_tok_per_s"),
     ("req/s", "req_per_s"),
