@@ -1,29 +1,23 @@
 """Prefill/decode disaggregation against colocated engines: same engines, same seeded load, one run.
 
-Question: with a mix of long prompts (several thousand tokens, long answers) and short chats, what does
-``kvstack router --routing pd`` (1 prefill + 3 decode engines) buy and cost against 4 colocated engines
-(``--routing kv-aware``) at the same offered load? Each setup gets 4 fresh ``kvstack sim`` processes (one
-engine each, KV events on) and its own router, on free 127.0.0.1 ports, each in its own process group
-(stopped by that id). The full run adds 2 prefill + 2 decode engines, and both main setups at 1.4x the load.
+Setups, each on 4 fresh ``kvstack sim`` processes (one engine each, KV events on) with its own
+``kvstack router``, on free 127.0.0.1 ports, each process in its own group (stopped by that id):
+colocated (``--routing kv-aware``), P/D 1P+3D and 2P+2D (``--routing pd``, ``--engine URL#role=...``),
+and colocated and 1P+3D again at 1.4x the load. The latency model (`pd_run.FULL`, modelled seconds, run
+2x faster with ``--time-scale``) makes prefill interfere with decode: a step costs 0.001 + 0.0001 per
+prefill token + (0.02 + 0.0002 per running sequence), at most 2,048 tokens a step, so a prefill chunk
+sharing a step makes every running sequence's token ~10x late. Workload (`pd_workload.LongAndShort`):
+Poisson, 5 requests per modelled second, 30% long prompts (3,000-5,000 fresh tokens, 256 output tokens),
+70% short chats (40-160 tokens, 64 output tokens, under the ``pd`` preset's 256-token threshold).
 
-Latency model (modelled seconds; the sims run ``--time-scale`` 2 times faster): a step costs 0.001 +
-0.0001 per prefill token + (0.02 + 0.0002 per running sequence if any sequence decodes), with at most
-2,048 tokens per step. A 4,000-token prompt is two steps of ~0.22 s; a decode step alone is ~0.02 s, so a
-prefill chunk sharing a step with running decodes makes that token ~10x late for every one of them.
-Workload (`pd_workload.LongAndShort`): Poisson arrivals at 5 requests per modelled second, 30% long (3,000-
-5,000-token prompts drawn fresh per request, 256 output tokens), 70% short chats (40-160 tokens, 64 output
-tokens), streamed with ``ignore_eos``; the same seed for every setup. Short chats stay under the ``pd``
-preset's threshold (256 uncached tokens), so only long prompts go to the prefill engine.
-
-Reported per setup (`pd_report`): TTFT p50/p99 of long prompts and of short chats, ITL p50/p99, the share of
-inter-token gaps of 100 ms or more (client, and the engines' own histograms), output tokens/s and
-requests/s, the router's prefills and fallbacks (``kvstack_pd_*``), and P/D / colocated ratios. Output:
-``.cache/bench/pd/<UTC time>/``: ``results.json``, ``results.md``, ``ttft_cdf.png``, ``itl_ccdf.png``, a
-``kvstack.bench`` report per setup and every process's log. The current result: ``docs/benchmarks/pd.md``.
+Reported (`pd_report`): TTFT p50/p99 of long and short requests, ITL (client, and the engines' own
+histograms), throughput, the router's ``kvstack_pd_*`` prefills and fallbacks, P/D / colocated ratios.
+Output in ``.cache/bench/pd/<UTC time>/`` (results.json, results.md, ttft_cdf.png, itl_ccdf.png, a
+``kvstack.bench`` report per setup, logs). The current result: ``docs/benchmarks/pd.md``.
 
     .venvs/dev/bin/python benchmarks/pd.py            # ~6 min
-    .venvs/dev/bin/python benchmarks/pd.py --quick    # colocated and 1P+3D, 40 modelled s: ~1.5 min
-    .venvs/dev/bin/python benchmarks/pd.py --setups colocated,pd --duration 60
+    .venvs/dev/bin/python benchmarks/pd.py --quick    # colocated and 1P+3D, 40 modelled s: ~1 min
+    .venvs/dev/bin/python benchmarks/pd.py --setups colocated-high,pd-high
 """
 
 from __future__ import annotations
@@ -66,7 +60,7 @@ QUICK_SETUPS = ("colocated", "pd")
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--quick", action="store_true", help="colocated and pd, 40 modelled s: ~1.5 min")
+    parser.add_argument("--quick", action="store_true", help="colocated and pd, 40 modelled s: ~1 min")
     parser.add_argument("--setups", help=f"subset of {','.join(SETUPS)} (default: all; quick: colocated,pd)")
     parser.add_argument("--rate", type=float, help="requests per modelled second at load 1 (default 5)")
     parser.add_argument("--duration", type=float, help="modelled seconds of arrivals (default 120; quick 40)")
