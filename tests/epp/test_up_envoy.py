@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -19,23 +17,12 @@ from support.engines import fresh_prompt
 from support.envoy import require_envoy
 from support.metrics import metrics
 from support.ports import free_ports
-from support.processes import group_alive, kill_group, spawn
+from support.processes import group_alive, kill_group, spawn, wait_for_banner
 from support.waiting import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 MODEL = "up-model"
-
-
-def _wait_banner(log_path: Path, proc: subprocess.Popen[bytes], budget_s: float = 60.0) -> str:
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        if "OpenAI base URL" in text:
-            return text
-        assert proc.poll() is None, text
-        time.sleep(0.1)
-    raise AssertionError(f"no banner: {log_path.read_text(errors='replace')}")
 
 
 async def test_up_with_envoy_serves_openai_through_envoy_and_stops_cleanly(tmp_path: Path) -> None:
@@ -48,7 +35,7 @@ async def test_up_with_envoy_serves_openai_through_envoy_and_stops_cleanly(tmp_p
     ]  # fmt: skip
     proc = spawn(cmd, log_path)
     try:
-        banner = await asyncio.to_thread(_wait_banner, log_path, proc)
+        banner = await asyncio.to_thread(wait_for_banner, log_path, proc)
         assert f"envoy:    http://127.0.0.1:{ports.start}" in banner
         picker_http = re.search(r"picker:   grpc://\S+\s+(http://\S+)", banner)
         assert picker_http is not None, banner
@@ -86,7 +73,7 @@ async def test_up_with_envoy_and_pd_engines_prefills_long_prompts_through_the_si
     url = f"http://127.0.0.1:{ports.start}"
     decoders = [f"http://127.0.0.1:{ports.start + i}" for i in (2, 3)]  # after the prefill engine
     try:
-        banner = await asyncio.to_thread(_wait_banner, log_path, proc)
+        banner = await asyncio.to_thread(wait_for_banner, log_path, proc)
         sidecars = dict(re.findall(r"sidecar:  (http://\S+)  \(P/D, for engine (http://\S+)\)", banner))
         assert sorted(sidecars.values()) == decoders, banner
         picker_http = re.search(r"picker:   grpc://\S+\s+(http://\S+)", banner)

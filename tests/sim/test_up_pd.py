@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import aiohttp
@@ -20,7 +19,7 @@ from kvstack.engines.state import EngineRole
 from support.engines import fresh_prompt
 from support.metrics import metrics
 from support.ports import free_ports
-from support.processes import group_alive, kill_group, spawn
+from support.processes import group_alive, kill_group, spawn, wait_for_banner
 from support.waiting import eventually
 
 MODEL = "up-pd-model"
@@ -71,17 +70,6 @@ def test_up_refuses_them_before_starting_anything() -> None:
     assert run.returncode == 2 and "--prefill-engines needs --decode-engines" in run.stderr
 
 
-def _wait_banner(log_path: Path, proc: subprocess.Popen[bytes], budget_s: float = 60.0) -> str:
-    deadline = time.monotonic() + budget_s
-    while time.monotonic() < deadline:
-        text = log_path.read_text(errors="replace") if log_path.exists() else ""
-        if "OpenAI base URL" in text:
-            return text
-        assert proc.poll() is None, text
-        time.sleep(0.1)
-    raise AssertionError(f"no banner: {log_path.read_text(errors='replace')}")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 async def test_up_with_one_prefill_and_two_decode_engines_serves_and_reports_roles(tmp_path: Path) -> None:
@@ -95,7 +83,7 @@ async def test_up_with_one_prefill_and_two_decode_engines_serves_and_reports_rol
     url = f"http://127.0.0.1:{ports.start}"
     engine_urls = [f"http://127.0.0.1:{ports.start + i}" for i in (1, 2, 3)]
     try:
-        banner = await asyncio.to_thread(_wait_banner, log_path, proc)
+        banner = await asyncio.to_thread(wait_for_banner, log_path, proc)
         assert "3 simulated engine(s) (1 prefill, 2 decode) + KV cache server" in banner
         for i, (engine, role) in enumerate(zip(engine_urls, ("prefill", "decode", "decode"), strict=True)):
             assert re.search(rf"engine {i}: {engine}\s+{role}\s", banner), banner

@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -62,3 +63,17 @@ def group_alive(proc: subprocess.Popen[bytes]) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def wait_for_banner(
+    log_path: Path, proc: subprocess.Popen[bytes], marker: str = "OpenAI base URL", budget_s: float = 60.0
+) -> str:
+    """The log of ``proc`` once it contains ``marker`` (a command's ready banner); fails if it exits first."""
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        text = log_path.read_text(errors="replace") if log_path.exists() else ""
+        if marker in text:
+            return text
+        assert proc.poll() is None, text
+        time.sleep(0.1)
+    raise AssertionError(f"no {marker!r} in the log: {log_path.read_text(errors='replace')}")
