@@ -23,9 +23,8 @@ flight on its engine, and holds its admission slot, until the stream ends (``clo
 
 from __future__ import annotations
 
-import secrets
 import time
-from collections.abc import Coroutine, Mapping
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +34,7 @@ from kvstack.frontend.admission import AdmissionRejected
 from kvstack.frontend.assembly import FrontEnd
 from kvstack.frontend.pd import PREFILLER_HEADER, host_port
 from kvstack.frontend.registry import EngineEntry
-from kvstack.frontend.routing import RouteRequest, parse_route
+from kvstack.frontend.routing import RouteRequest, parse_route, request_id
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.scheduling.interfaces import SESSION_HEADERS
@@ -43,7 +42,6 @@ from kvstack.scheduling.interfaces import SESSION_HEADERS
 Answers = list[m.ProcessingResponse]
 BUFFERED, STREAMED, FULL_DUPLEX = 2, 1, 4  # ProcessingMode.BodySendMode values
 HEADERS_ONLY = -1  # this stream's decision is made on the request headers
-REQUEST_ID_MAX = 256
 
 
 @dataclass
@@ -173,7 +171,7 @@ class PickerStream:
             path=headers.get(":path", "/").split("?", 1)[0],
             method=headers.get(":method", "GET"),
             headers=headers,
-            request_id=_request_id(headers),
+            request_id=request_id(headers),
             subset=m.subset_hint(request),
         )
         if message.end_of_stream or self.mode == HEADERS_ONLY:
@@ -259,8 +257,8 @@ class PickerStream:
 
     def _refuse(self, err: OpenAIError, headers: list[tuple[str, str]] | None = None) -> m.ProcessingResponse:
         self.status = err.status
-        request_id = self.pending.request_id if self.pending is not None else _request_id({})
-        return m.immediate_error(err, [*(headers or []), ("x-request-id", request_id)])
+        rid = self.pending.request_id if self.pending is not None else request_id({})
+        return m.immediate_error(err, [*(headers or []), ("x-request-id", rid)])
 
     def _response_headers(self, request: m.ProcessingRequest) -> None:
         self.first_byte_at = time.monotonic()
@@ -333,10 +331,3 @@ class PickerStream:
         state.in_flight = max(0, state.in_flight - 1)
         self.picker.front.registry.publish_in_flight(entry)
         self.picker.front.metrics.engine_in_flight(state.url).set(state.in_flight)
-
-
-def _request_id(headers: Mapping[str, str]) -> str:
-    given = headers.get("x-request-id")
-    if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
-        return given
-    return f"kvs-{secrets.token_hex(12)}"

@@ -16,6 +16,7 @@ an adapter's blocks are credited only to its requests, and a salted request gets
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,16 @@ from kvstack.scheduling import NoEndpointError, NoEndpointReason, Scheduler, Sch
 from kvstack.scheduling.interfaces import SESSION_HEADERS, extract_session_key
 
 _decode = msgspec.json.Decoder()
+REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The client's x-request-id when it is short printable ASCII, else a new one (kvs-...); ``headers``
+    case-insensitive or lower-cased."""
+    given = headers.get("x-request-id")
+    if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
+        return given
+    return f"kvs-{secrets.token_hex(12)}"
 
 
 @dataclass(frozen=True, slots=True)

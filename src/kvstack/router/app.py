@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import hmac
 import logging
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,7 +33,7 @@ from kvstack.engines.specs import EngineSpecError, build_endpoint
 from kvstack.engines.state import Endpoint
 from kvstack.frontend.admission import AdmissionController, AdmissionRejected
 from kvstack.frontend.fleet import Fleet
-from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json, parse_route
+from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json, parse_route, request_id
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -59,7 +58,6 @@ PROXIED_PATHS = (
 )
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
-REQUEST_ID_MAX = 256  # longer client request ids are replaced: they would be forwarded to every engine
 
 
 @dataclass
@@ -366,11 +364,8 @@ def _bearer_matches(request: Request, keys: set[str] | frozenset[str]) -> bool:
 
 
 def request_id_of(request: Request) -> str:
-    """The client's x-request-id when it is short printable ASCII, else a new one (kvs-...)."""
-    given = request.headers.get("x-request-id")
-    if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
-        return given
-    return f"kvs-{secrets.token_hex(12)}"
+    """The request's id for the engine and the client (`frontend.routing.request_id`)."""
+    return request_id(request.headers)
 
 
 def _json_object(request: Request) -> dict[str, Any]:
