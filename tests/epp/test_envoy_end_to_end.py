@@ -122,10 +122,17 @@ async def _complete(client: openai.AsyncOpenAI, prompt: str) -> int:
 
 async def test_openai_client_through_envoy_streaming_and_not(envoy_stack: EnvoyStack) -> None:
     client = envoy_stack.client()
-    answer = await client.completions.create(model=MODEL, prompt="hello there", max_tokens=4)
+    # ignore_eos: every asked token, whatever the engine samples
+    answer = await client.completions.create(
+        model=MODEL, prompt="hello there", max_tokens=4, extra_body={"ignore_eos": True}
+    )
     assert answer.choices[0].text and answer.usage is not None and answer.usage.completion_tokens == 4
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=6, stream=True
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream=True,
+        extra_body={"ignore_eos": True},
     )
     finish = None
     text = ""

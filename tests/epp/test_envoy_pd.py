@@ -89,7 +89,11 @@ async def test_envoy_picker_and_sidecar_prefill_then_decode(envoy_pd: EnvoyPD) -
     transferred = await transferred_tokens(envoy_pd.http, envoy_pd.decode.url)
     assert transferred == answer.usage.prompt_tokens - 1
     stream = await client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=6, stream=True
+        model=MODEL,
+        messages=[{"role": "user", "content": LONG_PROMPT}],
+        max_tokens=6,
+        stream=True,
+        extra_body={"ignore_eos": True},  # some text, whatever the sim samples
     )
     text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     await client.close()

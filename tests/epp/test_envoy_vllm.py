@@ -57,7 +57,10 @@ def _vllm_metric(engine: EngineProcess, name: str) -> float:
 async def test_openai_client_through_envoy_to_vllm(envoy_over_vllm: tuple[str, PickerProcess]) -> None:
     url, picker = envoy_over_vllm
     client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
-    answer = await client.completions.create(model=MODEL, prompt="The capital of", max_tokens=5)
+    # ignore_eos: every asked token, whatever the random weights sample
+    answer = await client.completions.create(
+        model=MODEL, prompt="The capital of", max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert answer.usage is not None and answer.usage.completion_tokens == 5
     stream = await client.chat.completions.create(
         model=MODEL,
@@ -65,6 +68,7 @@ async def test_openai_client_through_envoy_to_vllm(envoy_over_vllm: tuple[str, P
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     finish, usage = None, None
     async for chunk in stream:

@@ -41,10 +41,15 @@ async def test_up_with_envoy_serves_openai_through_envoy_and_stops_cleanly(tmp_p
         assert picker_http is not None, banner
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{ports.start}/v1", api_key="x", max_retries=0)
         answer = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+            model=MODEL,
+            messages=[{"role": "user", "content": "Hello"}],
+            max_tokens=3,
+            extra_body={"ignore_eos": True},
         )
         assert answer.choices[0].message.content
-        stream = await client.completions.create(model=MODEL, prompt="once upon", max_tokens=4, stream=True)
+        stream = await client.completions.create(
+            model=MODEL, prompt="once upon", max_tokens=4, stream=True, extra_body={"ignore_eos": True}
+        )
         texts = [c.choices[0].text async for c in stream if c.choices]
         assert "".join(texts)
         await client.close()
@@ -89,7 +94,10 @@ async def test_up_with_envoy_and_pd_engines_prefills_long_prompts_through_the_si
             await eventually(ready, timeout_s=60, interval_s=0.05)
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             answer = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=3,
+                extra_body={"ignore_eos": True},
             )
             assert answer.choices[0].message.content
             await client.close()

@@ -93,7 +93,9 @@ async def slow_prefill_stack() -> AsyncIterator[PDStack]:
 
 async def test_a_prompt_is_prefilled_then_decoded_with_the_transferred_kv(stack: PDStack) -> None:
     client = stack.client()
-    answer = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=5)
+    answer = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     await client.close()
     assert answer.choices[0].text
     prompt_tokens = answer.usage.prompt_tokens if answer.usage else 0
@@ -124,6 +126,7 @@ async def test_a_streamed_chat_is_prefilled_then_streamed_from_the_decode_engine
         max_tokens=8,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},  # all 8 tokens, whatever the sim samples
     )
     pieces, usage = [], None
     async for chunk in stream:
@@ -143,9 +146,11 @@ async def test_a_streamed_chat_is_prefilled_then_streamed_from_the_decode_engine
 
 async def ask(stack: PDStack) -> None:
     client = stack.client()
-    answer = await client.completions.create(model=MODEL, prompt=LONG_PROMPT, max_tokens=3)
+    answer = await client.completions.create(
+        model=MODEL, prompt=LONG_PROMPT, max_tokens=3, extra_body={"ignore_eos": True}
+    )
     await client.close()
-    assert answer.choices[0].finish_reason == "length"
+    assert answer.choices[0].finish_reason == "length"  # (without ignore_eos the sim may end it sooner)
 
 
 async def assert_computed_by_decode(stack: PDStack, reason: str) -> None:

@@ -100,6 +100,7 @@ async def test_a_named_prefill_engine_prefills_and_the_local_engine_decodes(stac
             max_tokens=4,
             stream=True,
             extra_headers=stack.prefiller,
+            extra_body={"ignore_eos": True},  # all 4 tokens, whatever the sim samples
         )
     ]
     await client.close()

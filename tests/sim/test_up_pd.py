@@ -102,7 +102,10 @@ async def test_up_with_one_prefill_and_two_decode_engines_serves_and_reports_rol
 
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
             answer = await client.chat.completions.create(
-                model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_tokens=3
+                model=MODEL,
+                messages=[{"role": "user", "content": "Hello"}],
+                max_tokens=3,
+                extra_body={"ignore_eos": True},
             )
             assert answer.choices[0].message.content
             await client.close()
