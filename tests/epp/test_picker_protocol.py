@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from kvstack.epp.health import EXT_PROC_SERVICE
 from kvstack.epp.picker import PickerConfig
@@ -257,3 +258,10 @@ async def test_usage_is_counted_when_envoy_sends_response_bodies(picker_stack: P
         text = await r.text()
     tokens = counter_totals(text, "kvstack_router_tokens", "model", "kind")
     assert tokens == {(MODEL, "prompt"): 7.0, (MODEL, "completion"): 2.0}
+
+
+async def test_a_message_naming_no_phase_is_answered_400(picker_stack: PickerStack) -> None:
+    stream = picker_stack.client.stream()
+    code, body, _ = immediate(await stream.exchange(pb.ProcessingRequest()))
+    assert code == 400 and "no phase" in body["error"]["message"]
+    await stream.close()

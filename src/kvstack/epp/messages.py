@@ -93,28 +93,15 @@ def _destination_metadata(response: pb.ProcessingResponse, value: str) -> None:
     response.dynamic_metadata.fields[LB_NAMESPACE].struct_value.CopyFrom(lb)
 
 
-def route_on_headers(
-    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = (), remove: Sequence[str] = ()
+def route(
+    phase: str, addresses: Sequence[str], extra: Iterable[tuple[str, str]] = (), remove: Sequence[str] = ()
 ) -> pb.ProcessingResponse:
-    """The answer to the request headers naming the destination (pick first, then fallbacks), setting the
-    ``extra`` headers and removing those named in ``remove``."""
+    """The answer to ``phase`` (``request_headers``, or ``request_body`` while Envoy holds the headers of a
+    buffered body) naming the destination (pick first, then fallbacks), setting the ``extra`` headers and
+    removing those named in ``remove``."""
     value = ",".join(addresses)
     response = pb.ProcessingResponse()
-    common = response.request_headers.response
-    common.clear_route_cache = True
-    _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
-    common.header_mutation.remove_headers.extend(remove)
-    _destination_metadata(response, value)
-    return response
-
-
-def route_on_body(
-    addresses: Sequence[str], extra: Iterable[tuple[str, str]] = (), remove: Sequence[str] = ()
-) -> pb.ProcessingResponse:
-    """The answer to a buffered request body naming the destination (the headers are still held)."""
-    value = ",".join(addresses)
-    response = pb.ProcessingResponse()
-    common = response.request_body.response
+    common = getattr(response, phase).response
     common.clear_route_cache = True
     _set_headers(common.header_mutation, [(DESTINATION, value), *extra])
     common.header_mutation.remove_headers.extend(remove)
@@ -131,36 +118,11 @@ def streamed_body(body: bytes) -> pb.ProcessingResponse:
     return response
 
 
-def continue_request_headers() -> pb.ProcessingResponse:
+def proceed(phase: str) -> pb.ProcessingResponse:
+    """CONTINUE, unchanged, for the message of ``phase`` (a ``ProcessingRequest`` oneof name: the answer's
+    field of the same name)."""
     response = pb.ProcessingResponse()
-    response.request_headers.SetInParent()
-    return response
-
-
-def continue_request_body() -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    response.request_body.SetInParent()
-    return response
-
-
-def continue_response_headers() -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    response.response_headers.SetInParent()
-    return response
-
-
-def continue_response_body() -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    response.response_body.SetInParent()
-    return response
-
-
-def continue_trailers(request: pb.ProcessingRequest) -> pb.ProcessingResponse:
-    response = pb.ProcessingResponse()
-    if request.HasField("request_trailers"):
-        response.request_trailers.SetInParent()
-    else:
-        response.response_trailers.SetInParent()
+    getattr(response, phase).SetInParent()
     return response
 
 
@@ -183,15 +145,10 @@ __all__ = [
     "SUBSET",
     "ProcessingRequest",
     "ProcessingResponse",
-    "continue_request_body",
-    "continue_request_headers",
-    "continue_response_body",
-    "continue_response_headers",
-    "continue_trailers",
     "header_dict",
     "immediate_error",
-    "route_on_body",
-    "route_on_headers",
+    "proceed",
+    "route",
     "served_endpoint",
     "streamed_body",
     "subset_hint",

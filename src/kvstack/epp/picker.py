@@ -150,11 +150,11 @@ class PickerStream:
             return self._request_body(request)
         if kind == "response_headers":
             self._response_headers(request)
-            return [m.continue_response_headers()]
-        if kind == "response_body":
+        elif kind == "response_body":
             self._response_body(request)
-            return [m.continue_response_body()]
-        return [m.continue_trailers(request)]
+        elif kind is None:  # a message naming no phase: nothing to continue
+            return [m.immediate_error(errors.bad_request("ProcessingRequest names no phase"))]
+        return [m.proceed(kind)]
 
     def _request_headers(self, request: m.ProcessingRequest) -> Answers | Coroutine[Any, Any, Answers]:
         if request.HasField("protocol_config"):
@@ -177,7 +177,7 @@ class PickerStream:
         if message.end_of_stream or self.mode == HEADERS_ONLY:
             return self._decide(pending, None)
         if self.mode == BUFFERED:
-            return [m.continue_request_headers()]
+            return [m.proceed("request_headers")]
         return []
 
     def _request_body(self, request: m.ProcessingRequest) -> Answers | Coroutine[Any, Any, Answers]:
@@ -185,7 +185,7 @@ class PickerStream:
         if pending is None:
             return [m.immediate_error(errors.bad_request("request body before its headers"))]
         if self.mode == HEADERS_ONLY:  # already routed
-            return [m.continue_request_body()]
+            return [m.proceed("request_body")]
         body = request.request_body
         pending.chunks.append(body.body)
         pending.size += len(body.body)
@@ -193,7 +193,7 @@ class PickerStream:
             limit = self.picker.config.max_body_bytes
             return [self._refuse(errors.http_detail(413, f"request body is larger than {limit} bytes"))]
         if not (body.end_of_stream or body.end_of_stream_without_message):
-            return [] if self.mode != BUFFERED else [m.continue_request_body()]
+            return [] if self.mode != BUFFERED else [m.proceed("request_body")]
         raw = b"".join(pending.chunks)
         try:
             pending.route = parse_route(
@@ -219,7 +219,7 @@ class PickerStream:
             return [answer]
         if self.mode == FULL_DUPLEX:
             return [answer, m.streamed_body(raw)]
-        return [answer, *(m.continue_request_body() for _ in pending.chunks)]
+        return [answer, *(m.proceed("request_body") for _ in pending.chunks)]
 
     async def _route(self, pending: PendingRequest, *, on_body: bool) -> m.ProcessingResponse:
         picker = self.picker
@@ -242,8 +242,7 @@ class PickerStream:
             extra.append((PREFILLER_HEADER, prefiller))
         elif PREFILLER_HEADER in pending.headers:
             remove.append(PREFILLER_HEADER)  # only the picker chooses where a prompt is prefilled
-        route = m.route_on_body if on_body else m.route_on_headers
-        return route(addresses, extra, remove)
+        return m.route("request_body" if on_body else "request_headers", addresses, extra, remove)
 
     def _start(self, entry: EngineEntry, addresses: list[str]) -> None:
         registry = self.picker.front.registry
