@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 .PHONY: run test dev vllm lint typecheck unit clean system-deps
 
 # Debian packages the tests use; installed only when missing.
-SYSTEM_PACKAGES := redis-server
+SYSTEM_PACKAGES := redis-server prometheus
 
 system-deps:
 	@missing=""; for p in $(SYSTEM_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
