@@ -5,19 +5,21 @@ how to read it (a gauge's value, a counter's value, or a label of an info gauge 
 ``vllm:cache_config_info{block_size="16",num_gpu_blocks="8192"} 1``) and known aliases, i.e. older names
 with the engine version that renamed them. A signal the engine type does not export has no source.
 
-``CATALOGS`` lists every name: ``vllm >= 0.10`` (``vllm:num_requests_waiting``/``_running``,
-``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_queries``/``_hits``, ``vllm:cache_config_info``; the
-``vllm:gpu_*`` names renamed in 0.9.2 as aliases), ``vllm < 0.10`` (the old names expected), ``sglang``
-(no prefix-cache counters), ``trtllm`` (trtllm-serve) and ``triton`` (the queue only: Triton has no gauge of
-running requests). ``catalog_for(engine_type, version)`` picks the catalog; ``version=None`` means the
-newest. Why catalogs, and why Triton has no running signal: docs/design/metrics-reading.md.
+``CATALOGS`` is built from the name tables of ``kvstack.engines.names``: how a source is read follows its
+metric's kind, and its aliases are the retired names it replaced. ``vllm >= 0.10`` reads
+``vllm:num_requests_waiting``/``_running``, ``vllm:kv_cache_usage_perc``, ``vllm:prefix_cache_*`` and
+``vllm:cache_config_info`` (the ``vllm:gpu_*`` names renamed in 0.9.2 as aliases); ``vllm < 0.10`` expects
+the old names; ``sglang`` has no prefix-cache counters, ``trtllm`` is trtllm-serve, ``triton`` gives the queue
+only (no gauge of running requests). ``catalog_for(engine_type, version)`` picks the catalog, the newest
+when ``version`` is None. Why catalogs, and why Triton has no running signal: docs/design/metrics-reading.md.
 """
 
 from __future__ import annotations
 
 import enum
-import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+
+from kvstack.engines.names import EngineNames, Kind, names_for, parse_version
 
 __all__ = [
     "CATALOGS",
@@ -116,74 +118,59 @@ class MetricCatalog:
         )
 
 
-def _gauge(name: str, *aliases: Alias) -> MetricSource:
-    return MetricSource(name, Read.GAUGE, aliases=aliases)
+def _source(table: EngineNames, name: str, label: str | None = None) -> MetricSource:
+    """The source reading ``name`` of ``table``: how to read it follows its kind, and its aliases are the
+    table's retired names that ``name`` replaced."""
+    metric = table.metrics[name]  # a KeyError here: the catalog asks for a name its engine does not export
+    read = Read.LABEL if label else Read.COUNTER if metric.kind is Kind.COUNTER else Read.GAUGE
+    aliases = tuple(Alias(r.name, r.deprecated_in) for r in table.retired.values() if r.replacement == name)
+    return MetricSource(name, read, label=label, aliases=aliases)
 
 
-def _counter(name: str, *aliases: Alias) -> MetricSource:
-    return MetricSource(name, Read.COUNTER, aliases=aliases)
+def _catalog(table: EngineNames, **names: str | tuple[str, str]) -> MetricCatalog:
+    """The catalog of ``table``'s engine type and versions; a signal names a metric or (info gauge, label)."""
+    sources = {
+        signal: _source(table, *name) if isinstance(name, tuple) else _source(table, name)
+        for signal, name in names.items()
+    }
+    return MetricCatalog(table.engine_type, since=table.since, until=table.until, **sources)
 
 
-def _label(name: str, label: str) -> MetricSource:
-    return MetricSource(name, Read.LABEL, label=label)
+def _vllm(table: EngineNames, kv_usage: str, prefix_cache: str) -> MetricCatalog:
+    return _catalog(
+        table,
+        queue="vllm:num_requests_waiting",
+        running="vllm:num_requests_running",
+        kv_usage=kv_usage,
+        prefix_cache_queries=f"{prefix_cache}_queries",
+        prefix_cache_hits=f"{prefix_cache}_hits",
+        block_size=("vllm:cache_config_info", "block_size"),
+        num_blocks=("vllm:cache_config_info", "num_gpu_blocks"),
+    )
 
-
-_VLLM = MetricCatalog(
-    "vllm",
-    since="0.10",
-    queue=_gauge("vllm:num_requests_waiting"),
-    running=_gauge("vllm:num_requests_running"),
-    kv_usage=_gauge("vllm:kv_cache_usage_perc", Alias("vllm:gpu_cache_usage_perc", "0.9.2")),
-    prefix_cache_queries=_counter(
-        "vllm:prefix_cache_queries", Alias("vllm:gpu_prefix_cache_queries", "0.9.2")
-    ),
-    prefix_cache_hits=_counter("vllm:prefix_cache_hits", Alias("vllm:gpu_prefix_cache_hits", "0.9.2")),
-    block_size=_label("vllm:cache_config_info", "block_size"),
-    num_blocks=_label("vllm:cache_config_info", "num_gpu_blocks"),
-)
 
 # Ordered newest first within a type: version=None picks the first.
 CATALOGS: tuple[MetricCatalog, ...] = (
-    _VLLM,
-    replace(
-        _VLLM,
-        since=None,
-        until="0.10",
-        kv_usage=_gauge("vllm:gpu_cache_usage_perc"),
-        prefix_cache_queries=_counter("vllm:gpu_prefix_cache_queries"),
-        prefix_cache_hits=_counter("vllm:gpu_prefix_cache_hits"),
+    _vllm(names_for("vllm"), "vllm:kv_cache_usage_perc", "vllm:prefix_cache"),
+    _vllm(names_for("vllm", "0.9.1"), "vllm:gpu_cache_usage_perc", "vllm:gpu_prefix_cache"),
+    _catalog(
+        names_for("sglang"),
+        queue="sglang:num_queue_reqs",
+        running="sglang:num_running_reqs",
+        kv_usage="sglang:token_usage",
+        block_size=("sglang:cache_config_info", "page_size"),
+        num_blocks=("sglang:cache_config_info", "num_pages"),
     ),
-    MetricCatalog(
-        "sglang",
-        queue=_gauge("sglang:num_queue_reqs"),
-        running=_gauge("sglang:num_running_reqs"),
-        kv_usage=_gauge("sglang:token_usage"),
-        block_size=_label("sglang:cache_config_info", "page_size"),
-        num_blocks=_label("sglang:cache_config_info", "num_pages"),
+    _catalog(
+        names_for("trtllm"),
+        queue="trtllm_num_requests_waiting",
+        running="trtllm_num_requests_running",
+        kv_usage="trtllm_kv_cache_utilization",
+        block_size="trtllm_kv_cache_tokens_per_block",
+        num_blocks="trtllm_kv_cache_max_blocks",
     ),
-    MetricCatalog(
-        "trtllm",
-        queue=_gauge("trtllm_num_requests_waiting"),
-        running=_gauge("trtllm_num_requests_running"),
-        kv_usage=_gauge("trtllm_kv_cache_utilization"),
-        block_size=_gauge("trtllm_kv_cache_tokens_per_block"),
-        num_blocks=_gauge("trtllm_kv_cache_max_blocks"),
-    ),
-    MetricCatalog("triton", queue=_gauge("nv_inference_pending_request_count")),
+    _catalog(names_for("triton"), queue="nv_inference_pending_request_count"),
 )
-
-_VERSION = re.compile(r"\s*v?(\d+(?:\.\d+)*)")
-
-
-def parse_version(version: str) -> tuple[int, ...]:
-    """``"0.10.1rc2+cpu"`` → ``(0, 10, 1)``: the leading release numbers, trailing zeros dropped."""
-    m = _VERSION.match(version)
-    if m is None:
-        raise ValueError(f"cannot read engine version {version!r}: expected numbers like 0.10.1")
-    parts = [int(p) for p in m.group(1).split(".")]
-    while len(parts) > 1 and parts[-1] == 0:
-        parts.pop()  # so that "0.10" and "0.10.0" compare equal
-    return tuple(parts)
 
 
 def catalog_for(engine_type: str, version: str | None = None) -> MetricCatalog:
