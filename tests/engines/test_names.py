@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstack.engines.catalog import CATALOGS, Read, catalog_for
+from kvstack.engines.catalog import CATALOGS, MetricCatalog, Read, catalog_for
 from kvstack.engines.names import ENGINE_NAMES, Kind, names_for, parse_version
 
 
@@ -83,10 +83,7 @@ def test_vllm_retired_names() -> None:
 
 
 @pytest.mark.parametrize("catalog", CATALOGS, ids=lambda c: f"{c.engine_type} {c.versions}")
-def test_router_catalogs_read_names_of_their_table(catalog: object) -> None:
-    from kvstack.engines.catalog import MetricCatalog
-
-    assert isinstance(catalog, MetricCatalog)
+def test_router_catalogs_read_names_of_their_table(catalog: MetricCatalog) -> None:
     key = (catalog.engine_type, catalog.since, catalog.until)
     (table,) = [t for t in ENGINE_NAMES if (t.engine_type, t.since, t.until) == key]  # the same version range
     for signal, src in catalog.sources().items():
