@@ -7,8 +7,9 @@ registers it, "" for always) and each name it used to export (``Retired``: repla
 change is recorded). Counters are exposed as ``<name>_total`` and ``<name>_created``, histograms as
 ``<name>_bucket``/``_sum``/``_count``: consumers apply those rules, the table does not repeat them.
 
-Tables: vLLM >= 0.10 (0.32.0's source; checked against real vLLM by tests/board/test_catalogs_vllm.py),
-vLLM < 0.10 (only the names a recorded source places there), and sglang, trtllm, triton holding only the
+Tables: vLLM >= 0.10 (the names of 0.32.0's source, checked against real vLLM by
+tests/board/test_catalogs_vllm.py; 0.10 to 0.31 are not recorded apart), vLLM < 0.10 (only the names a
+recorded source places there), and sglang, trtllm, triton holding only the
 names kvstack's router and llm-d's engine tables read: a name of those engines missing here is "not in
 kvstack's table", not "does not exist". The router's signal catalogs (``kvstack.engines.catalog``) are built
 from these tables and ``kvstack metrics check`` reads them: one table for both.
@@ -115,7 +116,7 @@ def _retired(*entries: Retired) -> dict[str, Retired]:
 
 
 # prometheus_client's default collectors (process, GC, platform): on every page of a Python exporter.
-PYTHON_PROCESS: tuple[MetricName, ...] = (
+_PYTHON_PROCESS: tuple[MetricName, ...] = (
     _m("python_gc_objects_collected", COUNTER, "Objects collected during gc", ["generation"]),
     _m("python_gc_objects_uncollectable", COUNTER, "Uncollectable objects found during GC", ["generation"]),
     _m("python_gc_collections", COUNTER, "Number of times this generation was collected", ["generation"]),
@@ -180,7 +181,6 @@ _VLLM_HTTP: tuple[MetricName, ...] = (
     ),
 )
 
-_KV_CONNECTOR = "a KV connector is configured (--kv-transfer-config)"
 _NIXL = "kv_connector NixlConnector"
 _OFFLOAD = "kv_connector OffloadingConnector"
 _OFFLOAD_CPU = "kv_connector OffloadingConnector with the CPU offloading spec"
@@ -189,7 +189,7 @@ _TIERING = "kv_connector OffloadingConnector with the tiering spec"
 # vLLM 0.32.0: vllm/v1/metrics/loggers.py (PrometheusStatLogger), perf.py, vllm/v1/spec_decode/metrics.py,
 # the KV connectors' build_prom_metrics and vllm/entrypoints metrics modules. No family is hidden in 0.32.0.
 _VLLM_0_32 = _table(
-    *PYTHON_PROCESS,
+    *_PYTHON_PROCESS,
     *_VLLM_HTTP,
     _v(
         "vllm:estimated_flops_per_gpu",
@@ -590,6 +590,12 @@ _VLLM_0_32 = _table(
                 "CPU chunks requested by each prepare_store call.",
             ),
         )
+    ),
+    _v(
+        "vllm:kv_offload_stores_skipped",
+        COUNTER,
+        "Number of KV offload stores skipped because the reuse threshold was not reached.",
+        when=f"{_OFFLOAD_CPU} and store_threshold >= 2",
     ),
     *(
         _v(name, kind, f"{help}, by tier.", "tier", when=_TIERING)
