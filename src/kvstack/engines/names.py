@@ -9,9 +9,9 @@ change is recorded). Counters are exposed as ``<name>_total`` and ``<name>_creat
 
 Tables: vLLM >= 0.10 (the names of 0.32.0's source, checked against real vLLM by
 tests/board/test_catalogs_vllm.py; 0.10 to 0.31 are not recorded apart), vLLM < 0.10 (only the names a
-recorded source places there), and sglang, trtllm, triton holding only the
-names kvstack's router and llm-d's engine tables read: a name of those engines missing here is "not in
-kvstack's table", not "does not exist". The router's signal catalogs (``kvstack.engines.catalog``) are built
+recorded source places there), and sglang, trtllm, triton holding only the names kvstack's router and
+llm-d's engine tables read: a name of those engines missing here is "not in kvstack's table", not "does not
+exist". The router's signal catalogs (``kvstack.engines.catalog``) are built
 from these tables and ``kvstack metrics check`` reads them: one table for both.
 """
 
@@ -55,7 +55,8 @@ class Retired:
     name: str
     replacement: str | None  # a name of the same table, or None when there is no one-to-one replacement
     deprecated_in: str | None
-    removed_in: str | None  # None: hidden (still exported with --show-hidden-metrics-for-version)
+    removed_in: str | None  # None: hidden (still exported with --show-hidden-metrics-for-version);
+    # "<= 0.32": gone by then, the removing version not recorded
     hint: str  # the fix when there is no replacement, e.g. "compute rate(hits) / rate(queries)"
     source: str  # where the change is recorded: a file of the engine's source or its release notes
 
