@@ -67,23 +67,26 @@ def read(paths: Sequence[Path]) -> Inputs:
     """Every expression and fact of ``paths`` (files, or directories walked for the suffixes above)."""
     inputs = Inputs()
     for path in paths:
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such file or directory")
         if path.is_dir():
             files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in SUFFIXES)
         elif path.suffix in SUFFIXES:
             files = [path]
-        elif path.exists():
+        else:
             raise UnsupportedFile(
                 f"{path}: not a dashboard (.json), rule file or manifest (.yaml, .yml) or PromQL (.promql)"
             )
-        else:
-            raise FileNotFoundError(f"{path}: no such file or directory")
         for file in files:
             _read_file(file, inputs)
     return inputs
 
 
 def _read_file(path: Path, inputs: Inputs) -> None:
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise OSError(f"{path}: cannot read it ({getattr(exc, 'strerror', None) or exc})") from None
     inputs.files += 1
     file = str(path)
     if path.suffix == ".promql":

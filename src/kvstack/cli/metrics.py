@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     from kvstack.board.check import check
 
     try:
-        catalogs = _catalogs(args)
         inputs = documents.read(args.paths)
-    except (UsageError, documents.UnsupportedFile, OSError, UnicodeDecodeError) as exc:
+        catalogs = _catalogs(args)
+    except (UsageError, documents.UnsupportedFile, OSError) as exc:
         print(f"kvstack metrics check: {exc}", file=sys.stderr)
         return 2
     findings = check(inputs, catalogs)
