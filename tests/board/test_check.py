@@ -152,6 +152,8 @@ def test_ambiguous_sources() -> None:
     # one exporter, or two versions of one engine, are one source
     assert of_promql("rate(kvstack_router_requests_total[5m])", catalogs=(ROUTER,)) == []
     assert of_promql("vllm:num_requests_running", catalogs=(VLLM_NEW, VLLM_OLD, EPP)) == []
+    live = Catalog("live http://127.0.0.1:8000/metrics", "engine", VLLM_NEW.metrics)
+    assert of_promql("vllm:num_requests_running", catalogs=(VLLM_NEW, live)) == []
 
 
 def test_several_engine_versions() -> None:

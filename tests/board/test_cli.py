@@ -52,7 +52,7 @@ def _promql(tmp_path: Path, *lines: str) -> str:
 def test_exit_0_clean_1_with_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert check(str(FIXTURES / "clean")) == 0
     assert (
-        capsys.readouterr().out.strip() == "0 error(s), 0 warning(s) in 3 file(s), 17 expression(s) checked"
+        capsys.readouterr().out.strip() == "0 error(s), 0 warning(s) in 3 file(s), 18 expression(s) checked"
     )
     assert check(str(FIXTURES / "names.promql")) == 1
     out = capsys.readouterr().out

@@ -22,17 +22,18 @@ def test_dashboard_panels_nested_rows_annotations_and_templating() -> None:
         ('panel "Requests by front end" (id 4) target A', ()),
         ('panel "Requests by front end" (id 4) target B', ()),
         ('panel "Hit rate" (id 5) target A', ()),
+        ('panel "Mixed" (id 7) target A', ()),  # Loki's queries (panel 6, target 7B) are LogQL
         ('annotation "restarts"', ()),
         ('variable "job"', ("job",)),
         ('variable "model"', ("model_name",)),
         ('variable "reason"', ("finished_reason",)),
         ('variable "top"', ()),
     ]
-    assert inputs.expressions[7] == Expression(
+    assert inputs.expressions[8] == Expression(
         file, 'variable "model"', 'vllm:num_requests_running{job=~"$job"}', ("model_name",)
     )
-    assert inputs.expressions[8].text == ""  # label_values(label) reads a label only
-    assert inputs.expressions[9].text == "topk(5, vllm:num_requests_waiting)"
+    assert inputs.expressions[9].text == ""  # label_values(label) reads a label only
+    assert inputs.expressions[10].text == "topk(5, vllm:num_requests_waiting)"
     assert not inputs.has_manifests and inputs.problems == []
 
 

@@ -312,7 +312,8 @@ class _Checker:
     def _ambiguity(self, use: MetricUse, series: list[Series], add: _Add) -> None:
         sources: dict[str, list[Series]] = {}
         for s in series:
-            sources.setdefault("engine" if s.catalog.role == "engine" else s.catalog.label, []).append(s)
+            # kvstack's processes are one source each; engines (any version) and live pages are the engine
+            sources.setdefault(s.catalog.label if s.catalog.role == "kvstack" else "engine", []).append(s)
         if len(sources) < 2:
             return
         label_sets = [frozenset().union(*(s.family.labels for s in group)) for group in sources.values()]

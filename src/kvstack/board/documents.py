@@ -1,7 +1,8 @@
 """Readers that turn files into the PromQL expressions they hold, each with where it stands.
 
 ``read(paths)`` walks directories (``.json``, ``.yaml``, ``.yml``, ``.promql``) and reads:
-- Grafana dashboards (``.json``, also wrapped as ``{"dashboard": ...}``): every panel's ``targets[].expr``,
+- Grafana dashboards (``.json``, also wrapped as ``{"dashboard": ...}``): every panel's ``targets[].expr``
+  (but those of a datasource of another type, e.g. Loki),
   panels nested in rows (collapsed or old-style ``rows``), annotations' ``expr`` and templating queries
   (``label_values(metric, label)`` is a use of the metric and the label, ``label_values(label)`` of the
   label, ``query_result(expr)`` of the expression; ``metrics()``/``label_names()`` are not checked);
@@ -213,15 +214,23 @@ def _panels(file: str, prefix: str, panels: Iterable[Any], inputs: Inputs) -> No
             continue
         _panels(file, prefix, panel.get("panels") or [], inputs)  # a collapsed row holds its panels
         for target in panel.get("targets") or []:
-            if isinstance(target, Mapping) and target.get("expr"):
+            if not isinstance(target, Mapping) or not target.get("expr"):
+                continue
+            datasource = target.get("datasource")
+            if _prometheus(datasource if isinstance(datasource, Mapping) else panel.get("datasource")):
                 panel_id = f'panel "{panel.get("title", "")}" (id {panel.get("id")})'
                 where = f"{prefix}{panel_id} target {target.get('refId', '?')}"
                 inputs.expressions.append(Expression(file, where, str(target["expr"])))
 
 
+def _prometheus(datasource: object) -> bool:
+    """False for a datasource whose type says it is not Prometheus (Loki's expr is LogQL)."""
+    # "datasource" is the type of Grafana's "-- Mixed --" and "-- Dashboard --" sources
+    return not isinstance(datasource, Mapping) or datasource.get("type") in (None, "prometheus", "datasource")
+
+
 def _variable(file: str, where: str, variable: Mapping[str, Any], inputs: Inputs) -> None:
-    datasource = variable.get("datasource")
-    if isinstance(datasource, Mapping) and datasource.get("type") not in (None, "prometheus"):
+    if not _prometheus(variable.get("datasource")):
         return
     query = variable.get("query")
     if isinstance(query, Mapping):
