@@ -123,6 +123,18 @@ def test_job_rules_of_monitors() -> None:
     assert facts.values("job") is None  # a relabeling from another label: any job
 
 
+def test_monitors_of_objects_elsewhere_leave_job_unknown() -> None:
+    facts = Manifests()
+    facts.add({"kind": "Service", "metadata": {"name": "router", "labels": {"app": "router"}}})
+    router = {"selector": {"matchLabels": {"app": "router"}}, "endpoints": [{"targetPort": 9090}]}
+    facts.add({"kind": "ServiceMonitor", "metadata": {"name": "r"}, "spec": router})
+    assert facts.values("job") == {"router"}
+    assert facts.values("endpoint") == {"9090"}
+    elsewhere = {"selector": {"matchLabels": {"app": "elsewhere"}}}
+    facts.add({"kind": "ServiceMonitor", "metadata": {"name": "x"}, "spec": elsewhere})
+    assert facts.values("job") is None
+
+
 def test_problems_and_usage_errors(tmp_path: Path) -> None:
     inputs = read([FIXTURES / "broken.json", FIXTURES / "k8s" / "unknown.yaml"])
     assert [(Path(p.file).name, p.where, p.error) for p in inputs.problems] == [

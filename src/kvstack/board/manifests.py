@@ -6,7 +6,8 @@ DaemonSets, Pods: pod labels, container port names) from parsed objects, and ans
 ``endpoint``, ``service``, ``namespace`` and ``job`` labels can take (prometheus-operator's rules: a
 ServiceMonitor's job is the Service's name or the value of its ``jobLabel`` label; a PodMonitor's is
 ``namespace/name`` or the pod's ``jobLabel`` label; a relabeling that replaces ``job`` with a fixed value
-wins). A label whose values cannot be known (a relabeling with ``$1``, nothing defining it) answers None.
+wins). A label whose values cannot be known (a relabeling with ``$1``, a monitor selecting objects these
+manifests do not hold, nothing defining it) answers None.
 """
 
 from __future__ import annotations
@@ -99,7 +100,7 @@ class Manifests:
                     kind=kind,
                     name=name,
                     namespace=namespace,
-                    ports=tuple(str(e["port"]) for e in endpoints if e.get("port")),
+                    ports=tuple(str(e.get("port") or e.get("targetPort")) for e in endpoints if _port(e)),
                     job_label=str(spec["jobLabel"]) if spec.get("jobLabel") else None,
                     selector={
                         str(k): str(v)
@@ -143,19 +144,22 @@ class Manifests:
                     return None
                 jobs.update(r for r in monitor.job_replacements if r is not None)
             elif monitor.kind == "ServiceMonitor":
-                for service in self.services:
-                    if _selects(monitor.selector, service.labels):
-                        jobs.add(service.labels.get(monitor.job_label or "", service.name))
+                services = [s for s in self.services if _selects(monitor.selector, s.labels)]
+                if not services:
+                    return None  # it scrapes Services these manifests do not hold
+                jobs.update(s.labels.get(monitor.job_label or "", s.name) for s in services)
             elif monitor.job_label:
-                for workload in self.workloads:
-                    if (
-                        _selects(monitor.selector, workload.pod_labels)
-                        and monitor.job_label in workload.pod_labels
-                    ):
-                        jobs.add(workload.pod_labels[monitor.job_label])
+                pods = [w.pod_labels for w in self.workloads if _selects(monitor.selector, w.pod_labels)]
+                if not pods:
+                    return None
+                jobs.update(labels.get(monitor.job_label, "") for labels in pods)
             else:
                 jobs.add(f"{monitor.namespace or 'default'}/{monitor.name}")
         return jobs
+
+
+def _port(endpoint: Mapping[str, Any]) -> bool:
+    return bool(endpoint.get("port") or endpoint.get("targetPort"))
 
 
 def _selects(selector: Mapping[str, str], labels: Mapping[str, str]) -> bool:
