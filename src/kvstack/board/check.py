@@ -38,7 +38,7 @@ from kvstack.board.promql import (
     from_variable,
     uses,
 )
-from kvstack.board.series import Series, SeriesIndex, exposed, split_suffix
+from kvstack.board.series import Series, SeriesIndex, split_suffix
 from kvstack.engines.names import Kind
 
 __all__ = ["GENERATED", "TARGET_LABELS", "Finding", "check"]
@@ -244,7 +244,7 @@ class _Checker:
         if not families:
             return False
         catalog, family = families[0]
-        series = self._series_names(family.name, catalog)
+        series = list(self.index.series_names(family.name, catalog))
         wanted = _FIX_SUFFIX.get((family.kind, suffix), suffix)
         fix = self.index.series_name(family.name, wanted, catalog)
         subject = name if name == family.name else f"{name}: {family.name}"
@@ -255,10 +255,6 @@ class _Checker:
             f"use {fix}",
         )
         return True
-
-    @staticmethod
-    def _series_names(family: str, catalog: Catalog) -> list[str]:
-        return list(exposed(catalog.metrics[family])) if family in catalog.metrics else [family]
 
     def _any_carries(self, label: str) -> bool:
         if label in self.allowed_target_labels or label in ("le", "quantile", "__name__"):

@@ -95,11 +95,12 @@ class SeriesIndex:
 
     def series_name(self, family_name: str, suffix: str, catalog: Catalog) -> str:
         """How ``catalog`` exports ``family_name`` with ``suffix`` if it can, else its first series name."""
-        family = catalog.metrics.get(family_name)
-        if family is None:
-            return family_name
-        names = exposed(family)
-        for name, candidate in names.items():
-            if candidate == suffix:
-                return name
-        return next(iter(names))
+        names = self.series_names(family_name, catalog)
+        return next((n for n in names if names[n] == suffix), next(iter(names), family_name))
+
+    def series_names(self, family_name: str, catalog: Catalog) -> dict[str, str]:
+        """``catalog``'s series names of ``family_name`` with their suffixes (empty if unknown)."""
+        for candidate, family in self.family(family_name):
+            if candidate is catalog:
+                return exposed(family)
+        return {}
