@@ -52,7 +52,9 @@ def test_without_subquery_unary_and_parameters() -> None:
         ),
         ("sum by ($label) (x)", "sum by (__grafana_var_label__) (x)"),
         ("$metric{a='1'}", "__grafana_var_metric__{a='1'}"),
-        ("x > $threshold", "x > 1"),
+        ("x > $threshold", "x > __grafana_var_threshold__"),
+        ("sum($metric)", "sum(__grafana_var_metric__)"),
+        ("topk($n, x)", "topk(__grafana_var_n__, x)"),  # parsed with 1 in its place
         ("x offset $__range", "x offset 5m"),
         ('label_replace(x, "a", "$1", "b", "(.*)")', 'label_replace(x, "a", "$1", "b", "(.*)")'),
     ],
@@ -60,6 +62,15 @@ def test_without_subquery_unary_and_parameters() -> None:
 def test_grafana_variables_become_placeholders(expr: str, parsed: str) -> None:
     assert substitute_variables(expr) == parsed
     uses(expr)  # and parse
+
+
+def test_variables_where_a_scalar_must_stand() -> None:
+    assert substitute_variables("topk($n, x)", frozenset({0})) == "topk(1, x)"
+    assert [u.name for u in uses("topk($n, x) > $threshold")] == ["x"]
+    assert [u.name for u in uses("histogram_quantile($q, sum by (le) (rate(h_bucket[5m]))) > $t")] == [
+        "h_bucket"
+    ]
+    assert [u.name for u in uses("clamp_max($metric, $max)")] == []
 
 
 def test_variable_values_and_names_are_marked() -> None:

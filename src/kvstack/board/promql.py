@@ -5,9 +5,10 @@
 functions (innermost first, with the argument position) and aggregations (with their by/without labels).
 Grafana variables (``$var``, ``${var}``, ``${var:fmt}``, ``[[var]]``, ``$__rate_interval``...) are replaced
 before parsing by a placeholder that fits where they stand: a duration inside ``[...]`` or after
-``offset``, a label name inside ``by (...)``/``on (...)``, a metric name before ``{``, a word inside quotes,
-a number elsewhere. A matcher, name or label that came from a variable says so and is not checked.
-A text that does not parse raises ``PromQLError`` with the parser's message and the column it points near.
+``offset``, a label name inside ``by (...)``/``on (...)``, a word inside quotes, a metric name elsewhere
+(or the number 1 where a scalar must stand). A matcher, name or label that came from a variable says so
+and is not checked. A text that does not parse raises ``PromQLError`` with the parser's message and the
+column it points near.
 """
 
 from __future__ import annotations
@@ -97,22 +98,28 @@ def from_variable(text: str) -> bool:
     return VARIABLE_MARK in text
 
 
-def substitute_variables(expr: str) -> str:
-    """``expr`` with each Grafana variable replaced by a placeholder that parses where it stands."""
+def substitute_variables(expr: str, numbers: frozenset[int] = frozenset()) -> str:
+    """``expr`` with each Grafana variable replaced by a placeholder that parses where it stands.
+
+    A variable whose place does not say (``sum($v)``, ``x > $v``, ``topk($v, x)``) becomes a metric name,
+    or the number 1 when its index (among such variables) is in ``numbers``."""
     out: list[str] = []
     pos = 0
+    free = 0
     for m in _VARIABLE.finditer(expr):
         before = expr[: m.start()]
+        name = VARIABLE_MARK + (m.group("braced") or m.group("bracketed") or m.group("plain")) + "__"
         if _inside_quotes(before):
             if m.group("bracketed") is None and before.endswith("\\"):
                 continue
-            placeholder = VARIABLE_MARK + _variable_name(m) + "__"
+            placeholder = name
         elif before.count("[") > before.count("]") or re.search(r"\boffset\s*$", before):
             placeholder = "5m"
         elif _GROUPING_OPEN.search(before) or re.match(r"\s*[{\[]", expr[m.end() :]):
-            placeholder = VARIABLE_MARK + _variable_name(m) + "__"
+            placeholder = name
         else:
-            placeholder = "1"
+            placeholder = "1" if free in numbers else name
+            free += 1
         out.append(expr[pos : m.start()])
         out.append(placeholder)
         pos = m.end()
@@ -122,18 +129,27 @@ def substitute_variables(expr: str) -> str:
 
 def uses(text: str) -> list[MetricUse]:
     """The metric uses of one expression (Grafana variables allowed); PromQLError when it does not parse."""
-    expr = substitute_variables(text)
-    try:
-        tree = pp.parse(expr)
-    except ValueError as exc:
-        raise PromQLError(str(exc), _error_column(expr, str(exc))) from None
+    tree = _parse(text)
     found: list[MetricUse] = []
     _collect(tree, (), found, [0])
     return found
 
 
-def _variable_name(m: re.Match[str]) -> str:
-    return m.group("braced") or m.group("bracketed") or m.group("plain")
+def _parse(text: str) -> pp.Expr:
+    """Parse with variables as metric names; failing that, as numbers (all, then one at a time)."""
+    free = sum(1 for _ in _VARIABLE.finditer(text))  # at least the variables whose place does not say
+    attempts = [frozenset(), frozenset(range(free)), *(frozenset({i}) for i in range(free) if free > 1)]
+    first: ValueError | None = None
+    for numbers in attempts:
+        expr = substitute_variables(text, numbers)
+        try:
+            return pp.parse(expr)
+        except ValueError as exc:
+            if first is None:
+                first = exc
+                column = _error_column(expr, str(exc))
+    assert first is not None
+    raise PromQLError(str(first), column)
 
 
 def _inside_quotes(before: str) -> bool:
