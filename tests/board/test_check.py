@@ -159,7 +159,20 @@ def test_ambiguous_sources() -> None:
 def test_several_engine_versions() -> None:
     found = of_promql("vllm:gpu_cache_usage_perc", "vllm:kv_cache_usage_perc", catalogs=(VLLM_OLD, VLLM_NEW))
     assert codes(found) == [("warning", "retired-metric", "line 1")]
-    assert found[0].message.startswith("vllm:gpu_cache_usage_perc works on vllm 0.8, not on vllm 0.32")
+    assert found[0].message == (
+        "vllm:gpu_cache_usage_perc works on vllm 0.8, not on vllm 0.32 (renamed to vllm:kv_cache_usage_perc; "
+        "removed in 0.11; source: vllm/v1/metrics/loggers.py)"
+    )
+    assert found[0].fix == "use vllm:kv_cache_usage_perc"
+
+
+def test_deprecated_names_still_exported() -> None:
+    retired = VLLM_NEW.retired["vllm:gpu_cache_usage_perc"]
+    old = VLLM_OLD.metrics["vllm:gpu_cache_usage_perc"]
+    deprecating = Catalog("vllm 0.10", "engine", {old.name: old}, {retired.name: retired})
+    (found,) = of_promql("vllm:gpu_cache_usage_perc", catalogs=(deprecating,))
+    assert (found.severity, found.code) == ("warning", "retired-metric")
+    assert found.message.startswith("vllm:gpu_cache_usage_perc is deprecated in vllm 0.10 (since 0.9.2)")
 
 
 def test_label_values_against_manifests() -> None:

@@ -1,22 +1,13 @@
 """The findings of ``kvstack metrics check``: every metric use of the inputs against the selected catalogs.
 
 ``check(inputs, catalogs)`` returns ``Finding``s (severity, a stable code, file, where, expression, message,
-fix). Codes and rules (docs/design/metrics-check.md says why):
-- ``parse-error``: an expression or document that does not parse;  ``not-checked`` (warning): a document
-  that is none of the known kinds;
-- ``unknown-metric``: a name no catalog exports, no recording rule of the inputs defines and Prometheus does
-  not generate (``up``, ``scrape_*``, ``ALERTS``...);  ``retired-metric``: a renamed or removed name (a
-  warning when another selected catalog still exports it);  ``hidden-metric``: exported only with
-  ``--show-hidden-metrics-for-version``;
-- ``suffix``: a counter without ``_total``, ``_total``/``_bucket``/``_sum``/``_count`` on a family of
-  another kind, ``_created`` (warning);  ``histogram-function``: ``histogram_quantile`` over anything but
-  a ``_bucket``, or an aggregation below it dropping ``le``;  ``rate-of-gauge`` (warning);
-- ``unknown-label``: an ``=``/``=~`` matcher (one that cannot match the empty string), a by/without or a
-  ``label_values`` label that no series carries; target labels (``TARGET_LABELS``, relabelings' labels)
-  are always allowed;
-- ``label-value`` (with manifests): ``endpoint``, ``service``, ``namespace``, ``job`` values the manifests
-  cannot produce;  ``ambiguous-source``: a name two exporters export, queried without a label telling them
-  apart.
+fix). Codes: ``parse-error``, ``not-checked`` (a document of no known kind), ``unknown-metric`` (no catalog,
+recording rule of the inputs or Prometheus itself writes it), ``retired-metric``, ``hidden-metric``
+(``--show-hidden-metrics-for-version``), ``suffix`` (``_total``/``_bucket``/``_sum``/``_count``/``_created``
+on the wrong kind), ``histogram-function``, ``rate-of-gauge``, ``unknown-label`` (a matcher, by/without or
+``label_values`` label no series there carries; ``TARGET_LABELS`` always allowed), ``label-value`` (values
+manifests among the inputs cannot produce) and ``ambiguous-source`` (a name two exporters share, queried
+without a label telling them apart). docs/design/metrics-check.md gives each rule and why.
 """
 
 from __future__ import annotations
@@ -205,16 +196,25 @@ class _Checker:
 
     def _known(self, name: str, series: list[Series], add: _Add) -> None:
         exporting = {s.catalog.label for s in series}
+        hidden_in = {s.catalog.label for s in series if s.family.hidden}
+        _, suffix = split_suffix(name)
         for catalog, record in self.index.retired(name):
+            change = f"renamed to {record.replacement}" if record.replacement else "retired"
+            removal = f"removed in {record.removed_in}" if record.removed_in else "hidden after deprecation"
             if catalog.label not in exporting:
-                replacement = f"renamed to {record.replacement}" if record.replacement else "retired"
-                add(
-                    "warning",
-                    "retired-metric",
-                    f"{name} works on {', '.join(sorted(exporting))}, not on {catalog.label} ({replacement}; "
-                    f"removed in {record.removed_in or 'a later version: hidden'}; source: {record.source})",
-                    f"use {record.replacement}" if record.replacement else record.hint,
-                )
+                message = f"{name} works on {', '.join(sorted(exporting))}, not on {catalog.label}"
+            elif catalog.label not in hidden_in:
+                message = f"{name} is deprecated in {catalog.label} (since {record.deprecated_in or '?'})"
+            else:
+                continue
+            add(
+                "warning",
+                "retired-metric",
+                f"{message} ({change}; {removal}; source: {record.source})",
+                f"use {self.index.series_name(record.replacement, suffix, catalog)}"
+                if record.replacement
+                else record.hint,
+            )
         hidden = [s.catalog.label for s in series if s.family.hidden]
         if hidden:
             severity = "error" if len(hidden) == len(series) else "warning"
