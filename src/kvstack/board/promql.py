@@ -13,7 +13,9 @@ column it points near.
 
 from __future__ import annotations
 
+import itertools
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import promql_parser as pp
@@ -131,7 +133,7 @@ def uses(text: str) -> list[MetricUse]:
     """The metric uses of one expression (Grafana variables allowed); PromQLError when it does not parse."""
     tree = _parse(text)
     found: list[MetricUse] = []
-    _collect(tree, (), found, [0])
+    _collect(tree, (), found, itertools.count(1))
     return found
 
 
@@ -185,7 +187,7 @@ def _error_column(expr: str, message: str) -> int:
 
 
 def _collect(
-    node: object, enclosing: tuple[Enclosing, ...], found: list[MetricUse], counter: list[int]
+    node: object, enclosing: tuple[Enclosing, ...], found: list[MetricUse], ids: Iterator[int]
 ) -> None:
     if isinstance(node, pp.MatrixSelector):
         _selector(node.vector_selector, enclosing, True, found)
@@ -193,21 +195,20 @@ def _collect(
         _selector(node, enclosing, False, found)
     elif isinstance(node, pp.Call):
         for i, arg in enumerate(node.args):
-            _collect(arg, (FunctionCall(node.func.name, i), *enclosing), found, counter)
+            _collect(arg, (FunctionCall(node.func.name, i), *enclosing), found, ids)
     elif isinstance(node, pp.AggregateExpr):
-        counter[0] += 1
         modifier = node.modifier
         labels = tuple(modifier.labels) if modifier is not None else ()
         without = modifier is not None and modifier.type == pp.AggModifierType.Without
-        agg = Aggregation(str(node.op), labels, without, counter[0])
+        agg = Aggregation(str(node.op), labels, without, next(ids))
         if isinstance(node.param, pp.Expr):
-            _collect(node.param, enclosing, found, counter)
-        _collect(node.expr, (agg, *enclosing), found, counter)
+            _collect(node.param, enclosing, found, ids)
+        _collect(node.expr, (agg, *enclosing), found, ids)
     elif isinstance(node, pp.BinaryExpr):
-        _collect(node.lhs, enclosing, found, counter)
-        _collect(node.rhs, enclosing, found, counter)
+        _collect(node.lhs, enclosing, found, ids)
+        _collect(node.rhs, enclosing, found, ids)
     elif isinstance(node, (pp.ParenExpr, pp.UnaryExpr, pp.SubqueryExpr)):
-        _collect(node.expr, enclosing, found, counter)
+        _collect(node.expr, enclosing, found, ids)
 
 
 def _op(op: pp.MatchOp) -> str:
