@@ -3,9 +3,10 @@
 Subcommands: ``sim`` (simulated vLLM engines), ``router``, ``epp`` (Envoy's endpoint picker), ``sidecar``
 (the P/D sidecar in front of a decode engine), ``envoy-config`` (Envoy's bootstrap for the picker), ``up`` (a
 local stack: simulated engines, a KV cache server and a front end), ``cache-server``, ``bench``, ``model
-make-tiny`` (a dummy-weight model directory that real vLLM and the simulator both serve), ``version``. Each
-lives in its own module (``kvstack.cli.sim``, ``.router``, ``.epp``, ``.sidecar``, ``.envoy_config``, ``.up``,
-``.model``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run function; the flags
+make-tiny`` (a dummy-weight model directory that real vLLM and the simulator both serve), ``metrics check``
+(dashboards, rules and manifests against the metric catalogs), ``version``. Each lives in its own
+module (``kvstack.cli.sim``, ``.router``, ``.epp``, ``.sidecar``, ``.envoy_config``, ``.up``, ``.model``,
+``.metrics``; ``kvstack.cache.cli``, ``kvstack.bench.cli``) with its parser and its run function; the flags
 both front ends take are in ``.front_end``. This module assembles the parser and dispatches.
 """
 
@@ -19,7 +20,7 @@ from kvstack import __version__
 from kvstack.bench.cli import add_bench_parser
 from kvstack.bench.cli import run_bench as run_bench_command
 from kvstack.cache.cli import add_cache_server_parser, run_cache_server
-from kvstack.cli import envoy_config, epp, model, router, sidecar, sim, up
+from kvstack.cli import envoy_config, epp, metrics, model, router, sidecar, sim, up
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_server_parser(sub)
     model.add_parser(sub)
     envoy_config.add_parser(sub)
+    metrics.add_parser(sub)
     sub.add_parser("version", help="print the kvstack version")
     return parser
 
@@ -47,6 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         return model.run(args)
     if args.command == "envoy-config":
         return envoy_config.run(args)
+    if args.command == "metrics":
+        return metrics.run(args)
     if args.command == "bench":
         return run_bench_command(args)
     if args.command == "cache-server":
