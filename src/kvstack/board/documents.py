@@ -213,13 +213,13 @@ def _panels(file: str, prefix: str, panels: Iterable[Any], inputs: Inputs) -> No
         if not isinstance(panel, Mapping):
             continue
         _panels(file, prefix, panel.get("panels") or [], inputs)  # a collapsed row holds its panels
-        for target in panel.get("targets") or []:
+        for number, target in enumerate(panel.get("targets") or [], 1):
             if not isinstance(target, Mapping) or not target.get("expr"):
                 continue
             datasource = target.get("datasource")
             if _prometheus(datasource if isinstance(datasource, Mapping) else panel.get("datasource")):
                 panel_id = f'panel "{panel.get("title", "")}" (id {panel.get("id")})'
-                where = f"{prefix}{panel_id} target {target.get('refId', '?')}"
+                where = f"{prefix}{panel_id} target {target.get('refId') or f'#{number}'}"
                 inputs.expressions.append(Expression(file, where, str(target["expr"])))
 
 
