@@ -22,7 +22,7 @@ import yaml
 from support.manifests import DASHBOARDS, DEPLOY, RULE_FILES, deploy_tree, of_kind, render
 
 K8S_VERSION = "1.32"  # kubectl's minor version here; kubernetes-validate bundles its schemas
-KUSTOMIZATIONS = ["base", "overlays/example", "overlays/envoy", "overlays/pd"]
+KUSTOMIZATIONS = ["base", "overlays/example", "overlays/envoy", "overlays/pd", "overlays/envoy-pd"]
 CRD_KINDS = ("ServiceMonitor", "PodMonitor")
 
 

@@ -11,6 +11,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import re
 import shlex
 from pathlib import Path
 from typing import Any
@@ -43,7 +44,7 @@ from support.manifests import (
     template_ports,
 )
 
-FRONT_ENDS = ["base", "overlays/example", "overlays/envoy", "overlays/pd"]
+FRONT_ENDS = ["base", "overlays/example", "overlays/envoy", "overlays/pd", "overlays/envoy-pd"]
 JOBS = {"kvstack-router", "kvstack-epp", "kvstack-sidecar", "kvstack-cache-server", "vllm"}
 KEYS = PodKeys()
 POD_IP = "10.1.2.3"
@@ -105,19 +106,61 @@ def test_service_monitors_name_ports_of_the_services_they_select_and_give_the_ag
             names = {p["name"] for p in service["spec"]["ports"]}
             assert {e["port"] for e in spec["endpoints"]} <= names
             jobs.add(service["metadata"]["labels"][spec["jobLabel"]])
+    targets = pod_monitor_targets(objects)
+    jobs |= {job for _, _, job in targets}
+    # Each engine's vLLM is scraped once, as vllm, on its own port; each P/D sidecar once, as kvstack-sidecar.
+    expected = []
+    for workload, template in pod_templates(objects):
+        for container in containers(template):
+            if container.get("command") == ["vllm", "serve"]:
+                port = int(flag(expanded_args(container), "--port"))
+                expected.append((workload["metadata"]["name"], container["name"], "vllm"))
+                assert port in container_ports(container).values()
+            elif container.get("args", [None])[0] == "sidecar":
+                expected.append((workload["metadata"]["name"], container["name"], "kvstack-sidecar"))
+    assert sorted(targets) == sorted(expected)
+    front = "kvstack-epp" if "envoy" in path else "kvstack-router"
+    assert {front, "kvstack-cache-server", "vllm"} <= jobs <= JOBS
+
+
+def pod_monitor_targets(objects: list[Obj]) -> list[tuple[str, str, str]]:
+    """(workload, container, job) of every target the PodMonitors make, as the Prometheus Operator would:
+    one per container port named by an endpoint, through the relabelings the manifests use (keep by container
+    name, set job); any other relabeling fails here until this learns it."""
+    targets = []
     for monitor in of_kind(objects, "PodMonitor"):
         spec = monitor["spec"]
         chosen = [
-            t
-            for _, t in pod_templates(objects)
+            (w, t)
+            for w, t in pod_templates(objects)
             if selects(spec["selector"]["matchLabels"], t["metadata"]["labels"])
         ]
         assert chosen, f"PodMonitor {monitor['metadata']['name']} selects no pod"
-        for template in chosen:
-            assert {e["port"] for e in spec["podMetricsEndpoints"]} <= set(template_ports(template))
-            jobs.add(template["metadata"]["labels"][spec["jobLabel"]])
-    front = "kvstack-epp" if "envoy" in path else "kvstack-router"
-    assert {front, "kvstack-cache-server", "vllm"} <= jobs <= JOBS
+        for endpoint in spec["podMetricsEndpoints"]:
+            found = []
+            for workload, template in chosen:
+                for container in containers(template):
+                    if endpoint["port"] not in container_ports(container):
+                        continue
+                    job: str | None = template["metadata"]["labels"].get(spec.get("jobLabel", ""))
+                    kept = True
+                    for rule in endpoint.get("relabelings", []):
+                        if rule == {
+                            "sourceLabels": ["__meta_kubernetes_pod_container_name"],
+                            "regex": rule.get("regex"),
+                            "action": "keep",
+                        }:
+                            kept = kept and re.fullmatch(rule["regex"], container["name"]) is not None
+                        elif rule == {"targetLabel": "job", "replacement": rule.get("replacement")}:
+                            job = rule["replacement"]
+                        else:
+                            raise AssertionError(f"the test cannot follow relabeling {rule}")
+                    if kept:
+                        assert job is not None, f"PodMonitor {monitor['metadata']['name']} gives no job"
+                        found.append((workload["metadata"]["name"], container["name"], job))
+            assert found, f"PodMonitor {monitor['metadata']['name']} port {endpoint['port']} scrapes nothing"
+            targets += found
+    return targets
 
 
 @pytest.mark.parametrize("path", FRONT_ENDS)
@@ -232,7 +275,7 @@ def test_discovery_selects_exactly_the_engine_pods_and_reads_them_as_meant(path:
     roles = set()
     for template in engines:
         engine = vllm_container(template)
-        assert container_ports(engine)["http"] == port
+        assert template_ports(template)["http"] == port  # vLLM's, or its P/D sidecar's
         warnings: list[str] = []
         endpoint = pod_endpoint(pod_of(template), port, KEYS, warn=warnings.append)
         assert endpoint is not None and warnings == []
@@ -273,7 +316,7 @@ def test_engines_publish_kv_events_where_the_annotation_says_and_load_through_kv
         config = parse_config(transfer["kv_connector_extra_config"])
         assert config.server == f"tcp://{cache['metadata']['name']}:{cache_port}"
         assert args[0] == {e["name"]: e["value"] for e in engine["env"]}["MODEL"]
-        assert flag(args, "--port") == str(container_ports(engine)["http"])
+        assert int(flag(args, "--port")) in container_ports(engine).values()
 
 
 def test_the_example_overlay_sets_namespace_images_model_and_replicas() -> None:
@@ -286,7 +329,7 @@ def test_the_example_overlay_sets_namespace_images_model_and_replicas() -> None:
     assert named(objects, "Deployment", "vllm")["spec"]["replicas"] == 4
 
 
-@pytest.mark.parametrize("path", ["overlays/envoy"])
+@pytest.mark.parametrize("path", ["overlays/envoy", "overlays/envoy-pd"])
 def test_the_envoy_bootstrap_is_what_kvstack_envoy_config_renders_with_its_recorded_command(
     path: str, tmp_path: Path
 ) -> None:
@@ -308,3 +351,20 @@ def test_the_envoy_bootstrap_is_what_kvstack_envoy_config_renders_with_its_recor
     assert (args.picker, args.engine) == ([f"kvstack-epp:{epp['grpc']}"], [f"vllm:{engines['http']}"])
     envoy = named(objects, "Deployment", "kvstack-envoy")["spec"]["template"]
     assert template_ports(envoy) == {"http": args.port}
+
+
+def test_decode_pods_behind_envoy_reach_their_engine_through_a_sidecar_that_parses() -> None:
+    objects = rendered("overlays/envoy-pd")
+    selector, port = discovery_of(objects)
+    decode = [t for t in engine_templates(objects) if t["metadata"]["labels"][KEYS.role_label] == "decode"]
+    assert decode
+    for template in decode:
+        (sidecar,) = [c for c in containers(template) if c.get("args", [None])[0] == "sidecar"]
+        args = build_parser().parse_args(expanded_args(sidecar))
+        engine_port = int(flag(expanded_args(vllm_container(template)), "--port"))
+        assert args.engine == f"http://127.0.0.1:{engine_port}"
+        assert container_ports(sidecar) == {"http": args.port} and args.port == port != engine_port
+        # Its allowlist of prefill engines comes from the same pods the picker discovers.
+        assert args.k8s_namespace == "llm"
+        assert dict(t.split("=", 1) for t in args.k8s_selector.split(",")) == selector
+        assert args.k8s_port == port
