@@ -1,8 +1,8 @@
 """The rendered manifests fit together and fit kvstack: selectors select, named ports exist, RBAC binds,
-every kvstack container's args parse with kvstack's own CLI parser, the router's discovery finds the engine
+every kvstack container's args parse with kvstack's own CLI parser, the front end's discovery finds the engine
 pods and reads their labels and annotations as intended, the engines' KV connector and KV-event configs
 parse, the scrape configs give the agreed job names, and the Envoy bootstrap is what
-``kvstack envoy-config`` renders today. Nothing is started.
+``kvstack envoy-config`` renders today and what Envoy accepts (``--mode validate``). No cluster is needed.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from kvstack.cli import build_parser, envoy_config, front_end
 from kvstack.connector.config import parse_config
 from kvstack.engines.discovery.kubernetes import PodKeys, pod_endpoint
 from kvstack.engines.state import EngineRole
+from support import envoy
 from support.manifests import (
     DEPLOY,
     container_ports,
@@ -368,3 +369,14 @@ def test_decode_pods_behind_envoy_reach_their_engine_through_a_sidecar_that_pars
         assert args.k8s_namespace == "llm"
         assert dict(t.split("=", 1) for t in args.k8s_selector.split(",")) == selector
         assert args.k8s_port == port
+
+
+def test_envoy_accepts_the_committed_bootstrap(tmp_path: Path) -> None:
+    objects = rendered("overlays/envoy")
+    (bootstrap,) = [
+        m for m in of_kind(objects, "ConfigMap") if m["metadata"]["name"].startswith("kvstack-envoy")
+    ]
+    path = tmp_path / "envoy.yaml"
+    path.write_text(bootstrap["data"]["envoy.yaml"])
+    done = envoy.validate(path)
+    assert done.returncode == 0, done.stderr
