@@ -187,7 +187,7 @@ def test_discovering_workloads_run_as_an_account_bound_to_a_role_that_lists_and_
     (binding,) = of_kind(objects, "RoleBinding")
     role = named(objects, "Role", binding["roleRef"]["name"])
     assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
-    ((subject),) = binding["subjects"]
+    (subject,) = binding["subjects"]
     account = named(objects, "ServiceAccount", subject["name"])
     assert (
         subject.get("namespace")
