@@ -64,7 +64,7 @@ unit: dev
 	$(DEV)/bin/pytest -q -ra -m "not vllm and not redis and not slow" $(PYTEST_ARGS)
 
 test: system-deps dev vllm lint typecheck
-	KVSTACK_VLLM_PYTHON=$(CURDIR)/$(VLLM)/bin/python KVSTACK_REQUIRE_VLLM=1 KVSTACK_REQUIRE_ENVOY=1 KVSTACK_REQUIRE_PROMETHEUS=1 \
+	KVSTACK_VLLM_PYTHON=$(CURDIR)/$(VLLM)/bin/python KVSTACK_REQUIRE_VLLM=1 KVSTACK_REQUIRE_ENVOY=1 KVSTACK_REQUIRE_PROMETHEUS=1 KVSTACK_REQUIRE_KUBECTL=1 \
 	  $(DEV)/bin/pytest -q -ra $(PYTEST_ARGS)
 
 clean:
