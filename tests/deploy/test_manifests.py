@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-import jsonschema  # type: ignore[import-untyped]  # comes with kubernetes-validate
+import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
