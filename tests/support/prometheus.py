@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import time
 import urllib.error
@@ -132,16 +133,30 @@ def start_prometheus(config: dict[str, Any], workdir: Path, deadline_s: float = 
 
 @dataclass(frozen=True)
 class DashboardQuery:
-    """One PromQL expression of a dashboard: where it is (panel title or variable name) and the text."""
+    """One PromQL expression of a dashboard: where it is, the text, and for a ``label_values(selector,
+    label)`` variable its name and label (``expr`` is then the selector)."""
 
     where: str
     expr: str
+    variable: str | None = None
+    label: str | None = None
 
 
 def dashboard_queries(dashboard: dict[str, Any]) -> list[DashboardQuery]:
-    """Every panel target's ``expr`` (rows' nested panels too) and every templating query of a Grafana
-    dashboard; a ``label_values(metric, label)`` variable gives its metric selector."""
+    """Every templating query (in order) and every panel target's ``expr`` (rows' nested panels too) of a
+    Grafana dashboard."""
     found: list[DashboardQuery] = []
+    for variable in dashboard.get("templating", {}).get("list", []):
+        if variable.get("type") != "query":
+            continue
+        query = variable.get("query")
+        text = str(query.get("query", "") if isinstance(query, dict) else query or "")
+        name = variable["name"]
+        match = re.fullmatch(r"label_values\((.*),\s*(\w+)\s*\)", text.strip(), re.S)
+        if match:
+            found.append(DashboardQuery(f"variable {name!r}", match[1], name, match[2]))
+        elif text:
+            found.append(DashboardQuery(f"variable {name!r}", text, name))
     panels = list(dashboard.get("panels", []))
     while panels:
         panel = panels.pop(0)
@@ -150,14 +165,4 @@ def dashboard_queries(dashboard: dict[str, Any]) -> list[DashboardQuery]:
             if target.get("expr"):
                 where = f"panel {panel.get('title')!r} {target.get('refId', '')}"
                 found.append(DashboardQuery(where, target["expr"]))
-    for variable in dashboard.get("templating", {}).get("list", []):
-        if variable.get("type") != "query":
-            continue
-        query = variable.get("query")
-        text = query.get("query", "") if isinstance(query, dict) else str(query or "")
-        if text.startswith("label_values(") and text.endswith(")"):
-            inner = text[len("label_values(") : -1]
-            text = inner.rsplit(",", 1)[0].strip() if "," in inner else inner
-        if text:
-            found.append(DashboardQuery(f"variable {variable['name']!r}", text))
     return found
