@@ -16,6 +16,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,11 +59,15 @@ def promtool(*args: str | Path, cwd: Path | None = None) -> subprocess.Completed
     )
 
 
-def scrape_config(jobs: dict[str, list[str]], interval_s: float = 1.0) -> dict[str, Any]:
-    """A Prometheus config scraping each job's ``host:port`` targets every ``interval_s``."""
+def scrape_config(
+    jobs: dict[str, list[str]], interval_s: float = 1.0, rule_files: Sequence[Path] = ()
+) -> dict[str, Any]:
+    """A Prometheus config scraping each job's ``host:port`` targets every ``interval_s`` and evaluating
+    ``rule_files`` as often."""
     every = f"{interval_s:g}s"
     return {
         "global": {"scrape_interval": every, "evaluation_interval": every, "scrape_timeout": every},
+        "rule_files": [str(path) for path in rule_files],
         "scrape_configs": [
             {"job_name": job, "static_configs": [{"targets": targets}]} for job, targets in jobs.items()
         ],
@@ -86,10 +91,14 @@ class PrometheusProcess:
         result: list[dict[str, Any]] = body["data"]["result"]
         return result
 
+    def api(self, path: str) -> Any:
+        """The ``data`` of a GET on the HTTP API (``/api/v1/...``)."""
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=10) as r:
+            return json.loads(r.read())["data"]
+
     def targets_up(self) -> dict[str, bool]:
         """Active targets' scrape URLs and whether their last scrape succeeded."""
-        with urllib.request.urlopen(f"{self.url}/api/v1/targets?state=active", timeout=10) as r:
-            targets = json.loads(r.read())["data"]["activeTargets"]
+        targets = self.api("/api/v1/targets?state=active")["activeTargets"]
         return {t["scrapeUrl"]: t["health"] == "up" for t in targets}
 
     def log_tail(self, chars: int = 4000) -> str:
