@@ -1,13 +1,14 @@
-"""kvstack's dashboards on real Prometheus: it scrapes real vLLM (with KVStackConnector on a cache server),
-simulated engines, a kvstack router over them with KV events, a P/D stack (``kvstack up``) and the cache
-server, under the fixed job labels; after a short workload through the openai client every templating
-query and every panel query of every dashboard returns data through Prometheus's HTTP API.
+"""kvstack's dashboards and rules on real Prometheus: it scrapes real vLLM (with KVStackConnector on a cache
+server), simulated engines, a kvstack router over them with KV events, Envoy's endpoint picker over the
+same engines, a P/D stack (``kvstack up``) and the cache server, under the fixed job labels. After a short
+workload through the openai client every templating query and every panel query of every dashboard
+returns data through Prometheus's HTTP API, for each front end (``$frontend``); every rule evaluates.
 
 The workload provokes what the panels show: repeated prompts (prefix hits), streaming, a tiny admission
 limit (429), injected engine errors (retries, 5xx, an open circuit), an engine that never answers (scrape
 errors), one with pre-rename metric names (missing names), P/D prefills and fallbacks, cache tier reads
 after a reset prefix cache, and a malformed cache request (protocol error). `NOT_PROVOKED` lists the panels
-whose condition a healthy loopback stack cannot produce, with the reason.
+left without data, with the reason.
 """
 
 from __future__ import annotations
@@ -32,8 +33,11 @@ import pytest
 import zmq
 
 import openai
+from kvstack.epp.envoy_config import EnvoyOptions, bootstrap
 from support.cache import start_cache_server
 from support.engines import REPO, EngineProcess, require_vllm, start_sim, start_vllm, wait_healthy
+from support.envoy import start_envoy
+from support.pickers import start_picker_process
 from support.ports import free_port, free_ports
 from support.processes import spawn, stop_group
 from support.prometheus import (
@@ -54,13 +58,24 @@ MODEL = "tiny"  # every engine's served name
 CHUNK = 256  # the cache server's and the connector's tokens per chunk
 SHARED = " ".join(f"section {i} of the shared system prompt reads {i * 7 % 13}" for i in range(60))
 
-# (dashboard file, panel title) -> why the workload leaves it without data.
+FRONTENDS = ("kvstack-router", "kvstack-epp")
+# (front-end job, dashboard file, panel title) -> why the workload leaves it without data.
 NOT_PROVOKED = {
-    ("kvstack-kv-routing.json", "Sequence gaps"): "no KV event batch is lost on loopback",
-    ("kvstack-kv-routing.json", "Replays"): "replays follow gaps, and there are none",
-    ("kvstack-kv-routing.json", "Index resets and decode errors"): "no engine restarts, drops its stream or "
-    "sends a malformed batch",
+    (job, "kvstack-kv-routing.json", title): why
+    for job in FRONTENDS
+    for title, why in (
+        ("Sequence gaps", "no KV event batch is lost on loopback"),
+        ("Replays", "replays follow gaps, and there are none"),
+        ("Index resets and decode errors", "no engine restarts, drops its stream or sends a bad batch"),
+    )
+} | {
+    ("kvstack-epp", "kvstack-router.json", "Retries"): "the picker does not proxy: Envoy retries",
+    ("kvstack-epp", "kvstack-router.json", "Upstream errors"): "the picker does not proxy: Envoy sees them",
+    ("kvstack-epp", "kvstack-router.json", "5xx ratio"): "the injected engine errors go through the router",
+    ("kvstack-epp", "kvstack-engines.json", "Scrape errors"): "the picker's engines all answer",
 }
+# The P/D stack has no Envoy in front: kvstack-pd is checked for the router only.
+NO_PD = "kvstack-epp"
 
 
 @dataclass
@@ -70,6 +85,7 @@ class Fleet:
     prometheus: PrometheusProcess
     router: str  # over vLLM and the two sims (and an engine that never answers)
     pd_router: str  # kvstack up's, over a prefill and a decode sim
+    envoy: str  # Envoy with kvstack's endpoint picker, over vLLM and the two sims
     vllm: EngineProcess
     sims: list[EngineProcess]
     cache_endpoint: str
@@ -142,22 +158,15 @@ def _workload(fleet: Fleet, round_: int) -> None:
     # Repeated prompts with a shared prefix, half of them streamed: prefix hits, KV events, latencies.
     for i in range(12):
         assert _complete(router, f"{SHARED} question {i % 3}", stream=i % 2 == 0) == 200
+    # The same through Envoy and the endpoint picker, and a burst past its admission limit.
+    for i in range(6):
+        assert _complete(fleet.envoy, f"{SHARED} question {i % 3}", stream=i % 2 == 0) == 200
+    _burst(fleet.envoy)
     # The cache tier: vLLM stores the prompt's chunks; after its prefix cache is reset it loads them back.
     assert _complete(vllm.url, f"{SHARED} for the cache tier") == 200
     _post(f"{vllm.url}/reset_prefix_cache", {})
     assert _complete(vllm.url, f"{SHARED} for the cache tier") == 200
-    # A burst past --max-in-flight 2 with no queue, all sent at once: some answered 429.
-    clients = [_client(router) for _ in range(12)]
-    start = threading.Barrier(len(clients))
-    with ThreadPoolExecutor(len(clients)) as pool:
-        burst = [
-            pool.submit(_complete, router, f"burst {i}", max_tokens=32, client=c, start=start)
-            for i, c in enumerate(clients)
-        ]
-        statuses = [f.result() for f in burst]
-    for c in clients:
-        c.close()
-    assert 429 in statuses, statuses
+    assert 429 in _burst(router)
     # Both simulated engines refuse every request (503): retries on the others, open circuits.
     for sim in sims:
         _post(f"{sim.url}/admin/faults", {"error_rate": 1.0, "error_codes": [503]})
@@ -182,6 +191,21 @@ def _workload(fleet: Fleet, round_: int) -> None:
         sock.connect(fleet.cache_endpoint)
         sock.send_multipart([b"", b"not a request"])
         assert sock.poll(5000), "the cache server did not answer a malformed request"
+
+
+def _burst(url: str) -> list[int]:
+    """12 requests sent at once (past --max-in-flight 2 with no queue); their statuses."""
+    clients = [_client(url) for _ in range(12)]
+    start = threading.Barrier(len(clients))
+    with ThreadPoolExecutor(len(clients)) as pool:
+        burst = [
+            pool.submit(_complete, url, f"burst {i}", max_tokens=32, client=c, start=start)
+            for i, c in enumerate(clients)
+        ]
+        statuses = [f.result() for f in burst]
+    for c in clients:
+        c.close()
+    return statuses
 
 
 def _up_engines(router: str) -> tuple[str, str]:
@@ -242,9 +266,28 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
         pd_router = f"http://127.0.0.1:{ports.start}"
         wait_healthy(up, pd_router, workdir / "up.log", 60)
         pd_engines = [f"127.0.0.1:{ports.start + 1}", f"127.0.0.1:{ports.start + 2}"]
+        engines = [vllm.url, *(s.url for s in sims)]
+        picker = start_picker_process(
+            workdir / "epp", engines, "--tokenizer", str(tiny_model_dir), "--max-in-flight", "2",
+            "--max-queue", "0", deadline_s=60,
+        )  # fmt: skip
+        stack.callback(picker.stop)
+        envoy_port = free_port()
+        options = EnvoyOptions(
+            pickers=(picker.grpc_address,),
+            engines=tuple(_host(e) for e in engines),
+            listen_host="127.0.0.1",
+            listen_port=envoy_port,
+            admin_port=free_port(),
+            message_timeout_s=5.0,
+            response_usage=True,
+        )
+        stack.callback(start_envoy(bootstrap(options.validate()), workdir / "epp").stop)
+        envoy = f"http://127.0.0.1:{envoy_port}"
         jobs = {
             "vllm": [_host(vllm.url), *(_host(s.url) for s in sims), *pd_engines],
             "kvstack-router": [_host(router), _host(pd_router)],
+            "kvstack-epp": [_host(picker.http_url)],
             "kvstack-cache-server": [f"127.0.0.1:{http_port}"],
         }
         rules = [RULES / "kvstack-recording.yaml", RULES / "kvstack-alerts.yaml"]
@@ -257,7 +300,7 @@ def fleet(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Ite
             return sum(e["routing_knowledge"] == "kv-events" for e in known) == 3
 
         wait_until(engines_known, what="three engines known, with KV events", timeout_s=60, interval_s=0.5)
-        fleet = Fleet(prometheus, router, pd_router, vllm, sims, cache.endpoint)
+        fleet = Fleet(prometheus, router, pd_router, envoy, vllm, sims, cache.endpoint)
         # Twice: counters appear at their first increment, and Prometheus computes no rate from a series'
         # first sample; the second round increments series it has already seen.
         _workload(fleet, 1)
@@ -286,11 +329,21 @@ def _has_data(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(r["value"][1])) for r in result)
 
 
+def _cases() -> list[tuple[str, str]]:
+    """(dashboard file, front-end job): every dashboard, and those with a $frontend for each front end."""
+    cases = []
+    for path in sorted(DASHBOARDS.glob("*.json")):
+        variables = json.loads(path.read_text())["templating"]["list"]
+        jobs = FRONTENDS if any(v["name"] == "frontend" for v in variables) else FRONTENDS[:1]
+        cases += [(path.name, job) for job in jobs if (path.name, job) != ("kvstack-pd.json", NO_PD)]
+    return cases
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))
-def test_every_query_of_the_dashboard_returns_data(fleet: Fleet, name: str) -> None:
+@pytest.mark.parametrize(("name", "frontend"), _cases())
+def test_every_query_of_the_dashboard_returns_data(fleet: Fleet, name: str, frontend: str) -> None:
     dashboard = json.loads((DASHBOARDS / name).read_text())
-    values = {"frontend": "kvstack-router"}
+    values = {"frontend": frontend}
     empty: dict[str, str] = {}
     for query in dashboard_queries(dashboard):
         expr = _substitute(query.expr, values)
@@ -303,7 +356,7 @@ def test_every_query_of_the_dashboard_returns_data(fleet: Fleet, name: str) -> N
             values[query.variable] = "|".join(found)
         elif not _has_data(result):
             empty[query.where] = expr
-    allowed = {title for (board, title) in NOT_PROVOKED if board == name}
+    allowed = {title for (job, board, title) in NOT_PROVOKED if (job, board) == (frontend, name)}
     titles = {q.where for q in dashboard_queries(dashboard)}
     assert {t for t in allowed if not any(f"panel {t!r}" in w for w in titles)} == set(), "stale NOT_PROVOKED"
     unexpected = {w: e for w, e in empty.items() if not any(f"panel {t!r}" in w for t in allowed)}
