@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from kvstack import cli
-from support.manifests import DEPLOY, deploy_tree, render
+from support.manifests import DEPLOY, render
 
 OVERLAYS = ("example", "envoy", "pd", "envoy-pd")
 
@@ -40,9 +40,8 @@ def test_dashboards_and_rules_are_clean(capsys: pytest.CaptureFixture[str]) -> N
 def test_rendered_manifests_with_dashboards_are_clean(
     overlay: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tree = deploy_tree(tmp_path)
     rendered = tmp_path / f"{overlay}.yaml"
-    objects = render(tree / "overlays" / overlay) + render(tree / "observability")
+    objects = render(DEPLOY / "overlays" / overlay) + render(DEPLOY / "observability")
     rendered.write_text(yaml.safe_dump_all(objects, sort_keys=False))
     kinds = {obj["kind"] for obj in objects}
     assert {"Service", "ConfigMap"} <= kinds and kinds & {"ServiceMonitor", "PodMonitor"}
@@ -54,10 +53,11 @@ def test_rendered_manifests_with_dashboards_are_clean(
 
 def test_a_wrong_endpoint_value_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The same check fails once a dashboard filters on a port name the manifests do not define."""
-    tree = deploy_tree(tmp_path)
-    objects = render(tree / "overlays" / "example")
+    objects = render(DEPLOY / "overlays" / "example")
     bad = tmp_path / "bad.promql"
-    bad.write_text('sum(rate(kvstack_router_requests_total{job="kvstack-router",endpoint="service-port"}[5m]))\n')
+    bad.write_text(
+        'sum(rate(kvstack_router_requests_total{job="kvstack-router",endpoint="service-port"}[5m]))\n'
+    )
     rendered = tmp_path / "example.yaml"
     rendered.write_text(yaml.safe_dump_all(objects, sort_keys=False))
     status = cli.main(["metrics", "check", "--format", "json", str(rendered), str(bad)])

@@ -19,7 +19,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from support.manifests import DASHBOARDS, DEPLOY, RULE_FILES, deploy_tree, of_kind, render
+from support.manifests import DASHBOARDS, DEPLOY, RULE_FILES, of_kind, render
 
 K8S_VERSION = "1.32"  # kubectl's minor version here; kubernetes-validate bundles its schemas
 KUSTOMIZATIONS = ["base", "overlays/example", "overlays/envoy", "overlays/pd", "overlays/envoy-pd"]
@@ -50,9 +50,8 @@ def test_each_kustomization_renders_objects_that_validate(path: str) -> None:
     assert len(names) == len(set(names)), "an object is rendered twice"
 
 
-def test_observability_renders_dashboards_and_rules_as_config_maps(tmp_path: Path) -> None:
-    tree = deploy_tree(tmp_path)
-    objects = render(tree / "observability")
+def test_observability_renders_dashboards_and_rules_as_config_maps() -> None:
+    objects = render(DEPLOY / "observability")
     for obj in objects:
         check(obj)
     maps = {o["metadata"]["name"]: o for o in of_kind(objects, "ConfigMap")}
@@ -64,7 +63,7 @@ def test_observability_renders_dashboards_and_rules_as_config_maps(tmp_path: Pat
     }
     assert sorted(dashboards) == sorted(f"{name}.json" for name in DASHBOARDS)
     for name, text in dashboards.items():
-        assert json.loads(text) == json.loads((tree / "observability/dashboards" / name).read_text())
+        assert json.loads(text) == json.loads((DEPLOY / "observability/dashboards" / name).read_text())
     rules = maps["kvstack-prometheus-rules"]["data"]
     assert sorted(rules) == sorted(f"{name}.yaml" for name in RULE_FILES)
     for text in rules.values():

