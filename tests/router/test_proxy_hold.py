@@ -213,16 +213,23 @@ async def test_a_stream_silent_before_content_times_out_and_is_retried(sims: lis
             assert await held.retries() == {("timeout_before_content",): 1.0}
 
 
-async def test_a_non_streaming_answer_cut_short_is_retried(sims: list[RunningEngine]) -> None:
+@pytest.mark.parametrize(
+    ("stall", "reason"),
+    [(0.05, "broken_before_content"), (2.0, "timeout_before_content")],
+    ids=["reset", "stall"],
+)
+async def test_a_non_streaming_answer_cut_short_is_retried(
+    sims: list[RunningEngine], stall: float, reason: str
+) -> None:
     async def half_a_body(writer: asyncio.StreamWriter) -> bool:
         head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 400\r\n\r\n"
         writer.write(head + b'{"id":')
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(stall)
         return False
 
     async with fake_engine(half_a_body) as url:
-        async for held in held_router([url, sims[0].url]):
+        async for held in held_router([url, sims[0].url], timeouts=QUICK):
             await wait_models(held.router, 1)
             client = held.client()
             raw = await client.chat.completions.with_raw_response.create(
@@ -231,7 +238,7 @@ async def test_a_non_streaming_answer_cut_short_is_retried(sims: list[RunningEng
             await client.close()
             assert raw.headers["x-kvstack-engine"] == sims[0].url
             assert raw.parse().choices[0].message.content
-            assert await held.retries() == {("broken_before_content",): 1.0}
+            assert await held.retries() == {(reason,): 1.0}
 
 
 # -- not retried: content went out, or the hold gave up ---------------------------------------------------
