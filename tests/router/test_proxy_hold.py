@@ -148,6 +148,15 @@ async def test_the_client_sees_exactly_one_well_formed_stream(two: Held) -> None
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+async def test_a_completion_stream_dropped_after_its_headers_is_retried(two: Held) -> None:
+    await two.faults(0, drop_rate=1.0, drop_after_chunks=0)  # the simulator sent its 200 and headers
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 3, "stream": True}
+    async with two.http.post(f"{two.router.url}/v1/completions", json=body) as r:
+        assert r.headers["x-kvstack-engine"] == two.engines[1]
+        assert (await r.read()).endswith(DONE)
+    assert await two.retries() == {("broken_before_content",): 1.0}
+
+
 async def test_a_server_error_event_before_content_is_retried(sims: list[RunningEngine]) -> None:
     async def role_then_error(writer: asyncio.StreamWriter) -> bool:
         body = ROLE + encode_error_event(errors.internal_error("EngineCore encountered an issue")) + DONE
