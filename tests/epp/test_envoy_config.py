@@ -115,7 +115,7 @@ def test_named_engines_walk_the_fallback_list_by_override_host() -> None:
         "refused-stream",
         "retriable-status-codes",
     }
-    assert retry["retriable_status_codes"] == [503]
+    assert retry["retriable_status_codes"] == [502, 503]
     assert retry["retry_host_predicate"][0]["name"] == "envoy.retry_host_predicates.previous_hosts"
     assert "envoy.filters.http.header_to_metadata" not in [f["name"] for f in http_filters(config)]
     (limits,) = engines["circuit_breakers"]["thresholds"]

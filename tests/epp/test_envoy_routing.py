@@ -209,9 +209,13 @@ async def test_without_named_engines_there_is_no_fallback(
         assert f.envoy.stat("cluster.engines.upstream_rq_retry") == 1
 
 
-async def test_an_engine_503_is_retried_on_the_fallback(tmp_path: Path, picker: RunningPicker) -> None:
+# 502: a kvstack sidecar whose engine failed before its first token
+@pytest.mark.parametrize("status", [503, 502])
+async def test_an_engine_503_or_502_is_retried_on_the_fallback(
+    tmp_path: Path, picker: RunningPicker, status: int
+) -> None:
     async def busy(request: web.Request) -> web.Response:
-        return web.json_response(NO_ENGINE, status=503)
+        return web.json_response(NO_ENGINE, status=status)
 
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", busy)
@@ -225,6 +229,38 @@ async def test_an_engine_503_is_retried_on_the_fallback(tmp_path: Path, picker: 
             picker.picker.answer = Answer(endpoints=f"127.0.0.1:{port},{fallback.address}")
             assert await f.served_by() == "B"
             assert f.envoy.stat("cluster.engines.upstream_rq_retry_success") == 1
+    finally:
+        await runner.cleanup()
+        await fallback.runner.cleanup()
+
+
+async def test_a_200_cut_before_its_first_token_is_not_retried(tmp_path: Path, picker: RunningPicker) -> None:
+    """Envoy's limit (docs/design/envoy-front-end.md): the engine's 200, then its break, reach the client."""
+
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"delta":{"role":"assistant","content":""}}]}\n\n')
+        await asyncio.sleep(0.3)  # prefilling; then the engine dies
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", cut)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    fallback = await start_engine("B")
+    try:
+        async with front(tmp_path, [picker.address], (f"127.0.0.1:{port}", fallback.address)) as f:
+            picker.picker.answer = Answer(endpoints=f"127.0.0.1:{port},{fallback.address}")
+            with pytest.raises(aiohttp.ClientPayloadError):
+                async with f.http.post(f"{f.url}/v1/chat/completions", data=b"{}") as response:
+                    assert response.status == 200
+                    await response.read()
+            assert f.envoy.stat("cluster.engines.upstream_rq_retry") == 0
     finally:
         await runner.cleanup()
         await fallback.runner.cleanup()

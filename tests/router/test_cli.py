@@ -1,5 +1,5 @@
 """The `kvstack router` command: argument errors (every numeric option checked, discovery sources that
-cannot be combined), --workers processes sharing one port, and the scrape interval."""
+cannot be combined), the hold flags, --workers processes sharing one port, and the scrape interval."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from kvstack import cli
+from kvstack.router.hold import HoldPolicy
 from kvstack.router.server import RouterOptions
 from support.engines import EngineProcess, start_sim
 from support.ports import free_port
@@ -58,6 +59,8 @@ def no_serving(monkeypatch: pytest.MonkeyPatch) -> None:
         ("--queue-timeout", "-1", "must be positive"),
         ("--index-max-entries", "0", "must be >= 1, got 0"),
         ("--max-attempts", "0", "must be >= 1, got 0"),
+        ("--hold-bytes", "-1", "must be >= 0, got -1"),
+        ("--hold-seconds", "0", "must be positive"),
         ("--timeout-total", "-1", "must be positive"),
         ("--timeout-connect", "0", "must be positive"),
         ("--timeout-first-byte", "nan", "must be positive"),
@@ -82,6 +85,21 @@ def test_router_numeric_options_are_checked(
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert f"argument {option}: {message}" in err and "Traceback" not in err
+
+
+def test_hold_flags_set_how_a_streams_start_is_held(monkeypatch: pytest.MonkeyPatch) -> None:
+    held: list[HoldPolicy] = []
+
+    def capture(opts: RouterOptions) -> None:
+        held.append(opts.app.hold)
+        raise SystemExit(0)
+
+    monkeypatch.setattr("kvstack.router.server.serve_forever", capture)
+    base = ["router", "--port", "0", "--engine", "http://127.0.0.1:9"]
+    for extra in ([], ["--no-hold-until-content", "--hold-bytes", "1024", "--hold-seconds", "2.5"]):
+        with pytest.raises(SystemExit):
+            cli.main(base + extra)
+    assert held == [HoldPolicy(True, 64 * 1024, None), HoldPolicy(False, 1024, 2.5)]
 
 
 def test_discovery_sources_that_cannot_be_combined_are_refused(

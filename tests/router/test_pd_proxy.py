@@ -1,7 +1,7 @@
 """P/D disaggregation through the proxy: a prompt is prefilled on a prefill engine and decoded with the KV
 it names (streaming and not), every failed prefill falls back to the decode engine computing the prompt
-(counted by reason), a decode engine that fails first is replaced, and a client that leaves during the
-prefill or the decode aborts both."""
+(counted by reason), a decode engine that fails before its first byte or token is replaced, and a client
+that leaves during the prefill or the decode aborts both."""
 
 from __future__ import annotations
 
@@ -251,6 +251,23 @@ async def test_a_decode_engine_failing_before_its_first_byte_is_replaced(stack: 
     assert await finished(stack.http, stack.prefill.url) == 1
     assert await transferred_tokens(stack.http, second.url) > 300
     assert await computed_tokens(stack.http, second.url) <= 1
+
+
+async def test_a_decode_engine_breaking_after_its_role_chunk_is_replaced(stack: PDStack) -> None:
+    first, second = stack.decode
+    fault = {"drop_rate": 1.0, "drop_after_chunks": 1}
+    async with stack.http.post(f"{first.url}/admin/faults", json=fault):
+        pass
+    client = stack.client()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}], max_tokens=3, stream=True
+    )
+    assert raw.headers["x-kvstack-engine"] == second.url
+    chunks = [chunk async for chunk in raw.parse()]
+    await client.close()
+    assert [c.choices[0].delta.role for c in chunks if c.choices].count("assistant") == 1
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert await finished(stack.http, stack.prefill.url) == 1  # one prefill for both decode attempts
 
 
 async def test_engines_shows_the_engines_by_role(stack: PDStack) -> None:

@@ -1,7 +1,8 @@
 """The P/D sidecar in front of one decode engine: a request naming an allowed prefill engine in
 ``x-prefiller-host-port`` is prefilled there and decoded with the transferred KV; an unknown prefill host is
-refused (SSRF); the header never reaches the engine; everything else passes through; a failed prefill
-falls back; the allowlist follows discovery; a client that leaves during the prefill aborts it."""
+refused (SSRF); the header never reaches the engine; everything else passes through; an engine failing
+before its first token is a 502 (which Envoy retries); a failed prefill falls back; the allowlist follows
+discovery; a client that leaves during the prefill aborts it."""
 
 from __future__ import annotations
 
@@ -178,6 +179,17 @@ async def test_the_header_never_reaches_an_engine(stack: SidecarStack) -> None:
 
 
 # -- fallbacks ---------------------------------------------------------------------------------------------
+
+
+async def test_an_engine_breaking_before_its_first_token_is_a_502(stack: SidecarStack) -> None:
+    # Envoy can retry a 502 on its next address (kvstack.epp.envoy_config), never a 200 cut short.
+    fault = {"drop_rate": 1.0, "drop_after_chunks": 1}  # the role chunk, then the connection drops
+    async with stack.http.post(f"{stack.decode.url}/admin/faults", json=fault) as r:
+        assert r.status == 200
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True}
+    async with stack.http.post(f"{stack.sidecar.url}/v1/chat/completions", json=body) as r:
+        assert r.status == 502
+        assert "failed before its first token" in (await r.json())["error"]["message"]
 
 
 async def test_a_failed_or_slow_prefill_falls_back_to_the_local_engine(stack: SidecarStack) -> None:

@@ -44,6 +44,26 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--max-attempts", type=int_in(1), default=3, help="engines tried per request before giving up"
     )
     g.add_argument(
+        "--hold-until-content",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="hold a stream's status, headers and role chunk back until its first content, so that an engine "
+        "failing before then is retried on another one unseen",
+    )
+    g.add_argument(
+        "--hold-bytes",
+        type=int_in(0),
+        default=64 * 1024,
+        help="bytes of a stream's start held at most; past them it is relayed and no longer retried",
+    )
+    g.add_argument(
+        "--hold-seconds",
+        type=positive,
+        default=None,
+        help="seconds from sending a request that its stream may be held (default: --timeout-first-byte); "
+        "past them it is relayed and no longer retried",
+    )
+    g.add_argument(
         "--pd-prefill-timeout",
         type=positive,
         default=30.0,
@@ -63,6 +83,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def run(args: argparse.Namespace, argv: list[str]) -> int:
     from kvstack.router.app import RouterConfig
+    from kvstack.router.hold import HoldPolicy
     from kvstack.router.proxy import RetryPolicy, Timeouts
     from kvstack.router.server import RouterOptions, serve_forever
     from kvstack.scheduling.interfaces import SESSION_HEADERS
@@ -84,6 +105,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
             timeouts=Timeouts(
                 args.timeout_connect, args.timeout_first_byte, args.timeout_idle, args.timeout_total
             ),
+            hold=HoldPolicy(args.hold_until_content, args.hold_bytes, args.hold_seconds),
             session_headers=tuple(args.session_header) or SESSION_HEADERS,
             pd_prefill_timeout=args.pd_prefill_timeout,
         ),

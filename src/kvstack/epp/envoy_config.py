@@ -7,12 +7,12 @@ HTTP/2, gRPC-health-checked on ``readiness``; fail closed with 503 unless ``fail
 
 With ``engines`` named (IP or DNS HOST:PORT; a headless Service's name stands for its pods), the
 ``override_host`` policy walks the picker's comma-separated list from the metadata, one address per attempt
-(``retries`` before the first response byte, on connect failure, reset, refused stream or 503); least request
-when the picker named no known engine. Without, ORIGINAL_DST serves the header's first address only. Either
-way ``envoy.lb``/``x-gateway-destination-endpoint-served`` says which address served; the picker gets it with
-the response headers (and ``envoy.lb.subset_hint``, when a gateway set one, with the request), and with
-``served_header`` the client gets it too, as a response header of that name. The picker gets
-the request body as ``body_mode`` says (buffered by default, up to ``max_request_bytes``); ``response_usage``
+(``retries`` before the first response byte, on connect failure, reset, refused stream, 502 or 503); least
+request when the picker named no known engine. Without, ORIGINAL_DST serves the header's first address only.
+Either way ``envoy.lb``/``x-gateway-destination-endpoint-served`` says which address served; the picker gets
+it with the response headers (and ``envoy.lb.subset_hint``, when a gateway set one, with the request), and
+with ``served_header`` the client gets it too, as a response header of that name. The picker gets the request
+body as ``body_mode`` says (buffered by default, up to ``max_request_bytes``); ``response_usage``
 adds the response body and trailers. No overall timeout: ``idle_timeout_s`` ends a silent stream. Each
 request is logged on Envoy's stdout (picked and served address, attempts) unless ``access_log`` is off.
 Reasons: docs/design/envoy-front-end.md.
@@ -151,7 +151,8 @@ def _listener(options: EnvoyOptions) -> dict[str, Any]:
 def _virtual_host(options: EnvoyOptions) -> dict[str, Any]:
     retry_policy: dict[str, Any] = {
         "retry_on": _RETRY_ON,
-        "retriable_status_codes": [503],
+        # 502: a kvstack sidecar's engine failed before its first token (nothing was sent: safe to retry).
+        "retriable_status_codes": [502, 503],
         "num_retries": options.retries,
         "retry_back_off": {"base_interval": "0.01s", "max_interval": "0.1s"},
     }

@@ -401,8 +401,18 @@ class RouterMetrics:
         self.engine_in_flight = self.hot.engine_in_flight
         self.retries = Counter(
             "kvstack_router_retries",
-            "Attempts retried on another engine, by reason.",
+            "Attempts retried on another engine, by the reason the previous attempt failed (connect_error, "
+            "first_byte_timeout, status_503, ...; broken_before_content, timeout_before_content, "
+            "ended_before_content, error_before_content: before the client got anything).",
             ["reason"],
+            registry=reg,
+        )
+        self.hold_releases = Counter(
+            "kvstack_router_hold_releases",
+            "Streams whose start the proxy held back until their first content (an engine failing before "
+            "then is retried: kvstack_router_retries, reasons *_before_content), by what released them: "
+            "content, bytes or time (the hold's bounds; no retry after those).",
+            ["cause"],
             registry=reg,
         )
         self.admission_rejections = Counter(
@@ -484,6 +494,9 @@ class RouterMetrics:
 
     def upstream_error(self, engine: str, reason: str) -> None:
         self.hot.count("kvstack_router_upstream_errors", (engine, reason))
+
+    def hold_released(self, cause: str) -> None:
+        self._child(self.hold_releases, cause).inc()
 
     def engine_added(self, engine: str) -> None:
         """An engine (again) at this URL: its series count from here on."""

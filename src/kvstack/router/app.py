@@ -37,6 +37,7 @@ from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
+from kvstack.router.hold import HoldPolicy
 from kvstack.router.prefill import PrefillStep
 from kvstack.router.proxy import Outcome, Proxy, Timeouts
 from kvstack.router.workers import WorkerGroup
@@ -66,6 +67,7 @@ class RouterConfig:
     api_keys: frozenset[str] = frozenset()
     admin_key: str | None = None
     timeouts: Timeouts = field(default_factory=Timeouts)
+    hold: HoldPolicy = field(default_factory=HoldPolicy)  # a stream's start, until its first content
     session_headers: tuple[str, ...] = SESSION_HEADERS  # tried in order, before the body's fields
     # A P/D prefill request's time limit; past it the decode engine computes the prompt itself.
     pd_prefill_timeout: float = 30.0

@@ -5,8 +5,10 @@
   deadline (which also bounds waiting for a client to take what was sent); each can be set per request
   by headers ``x-kvstack-timeout-{connect,first-byte,idle,total}`` (seconds).
 - Retries go to the next candidate, only before any byte reached the client, for connect errors, first-byte
-  timeouts and statuses 429, 502, 503, 504, after ``RetryPolicy.backoff`` (full jitter). When every attempt
-  failed, the last engine answer is passed on (as OpenAI error JSON if it is not JSON), or a 502/504.
+  timeouts and statuses 429, 502, 503, 504, after ``RetryPolicy.backoff`` (full jitter). A stream's start is
+  held until its first content (`kvstack.router.hold`), and a sized body until it is whole: an engine that
+  breaks, times out or sends a server error event before then is retried too. When every attempt failed,
+  the last engine answer is passed on (as OpenAI error JSON if it is not JSON), or a 502/504.
 - The circuit breaker hears every outcome except client errors (4xx), client disconnects and timeouts the
   client caused (a shorter timeout header, a deadline missed waiting for the client).
 - A client that goes away closes the upstream connection, which is how vLLM learns to abort. After bytes
@@ -35,6 +37,7 @@ from kvstack.http.server import Connection
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.openai.sse import DONE, encode_error_event
+from kvstack.router.hold import HoldPolicy, scan
 
 log = logging.getLogger(__name__)
 
@@ -158,6 +161,7 @@ class Proxy:
         *,
         timeouts: Timeouts | None = None,
         retry: RetryPolicy | None = None,
+        hold: HoldPolicy | None = None,
         rng: random.Random | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -166,6 +170,7 @@ class Proxy:
         self.metrics = metrics
         self.timeouts = timeouts or Timeouts()
         self.retry = retry or RetryPolicy()
+        self.hold = hold or HoldPolicy()
         self._backoff = self.retry.backoff
         self._rng = rng or random.Random()
         self._clock = clock
@@ -228,9 +233,15 @@ class Proxy:
             return
         if last_error is not None:
             outcome.error = last_error.reason
-            if last_error.reason.endswith("timeout"):
-                raise errors.gateway_timeout(f"no engine answered in time ({last_error.reason})")
-            raise OpenAIError(502, f"no engine could be reached ({last_error.reason})", "BadGatewayError")
+            reason = last_error.reason
+            if reason.endswith("_before_content"):
+                message = f"every engine tried failed before its first token ({reason})"
+                if reason.startswith("timeout"):
+                    raise errors.gateway_timeout(message)
+                raise OpenAIError(502, message, "BadGatewayError")
+            if reason.endswith("timeout"):
+                raise errors.gateway_timeout(f"no engine answered in time ({reason})")
+            raise OpenAIError(502, f"no engine could be reached ({reason})", "BadGatewayError")
         raise errors.service_unavailable("no routable engine: every candidate's circuit is open")
 
     async def _attempt(
@@ -256,6 +267,7 @@ class Proxy:
         in_flight_gauge.set(state.in_flight)
         upstream: UpstreamResponse | None = None
         settled = False
+        started = self._clock()
 
         def settle(ok: bool | None) -> None:
             nonlocal settled
@@ -297,7 +309,6 @@ class Proxy:
                 settle(False)
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
-            outcome.status = upstream.status
             resp_headers = _response_headers(upstream, request_id, url)
             is_sse = (upstream.header("content-type") or "").startswith("text/event-stream")
             length = upstream.content_length
@@ -310,20 +321,25 @@ class Proxy:
                 try:
                     data = await upstream.read(within)
                 except UpstreamError as exc:
-                    settle(self._timeout_verdict(timeouts, bound) if isinstance(exc, TimeoutError) else False)
-                    self.metrics.upstream_error(url, "body")
-                    raise OpenAIError(
-                        502, f"engine {url} failed while sending its answer", "BadGatewayError"
-                    ) from None
+                    timed_out = isinstance(exc, TimeoutError)
+                    settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
+                    # Nothing reached the client yet: another engine may answer.
+                    reason = "timeout_before_content" if timed_out else "broken_before_content"
+                    raise _Retryable(reason) from None
+                outcome.status = upstream.status
                 outcome.first_byte_at = self._clock()
                 settle(upstream.status < 500)
                 conn.send(upstream.status, resp_headers, data)
                 return
 
+            events = _WholeEvents() if is_sse else None
+            held = b""
+            if events is not None and upstream.status == 200 and self.hold.enabled:
+                held = await self._hold(upstream, events, timeouts, deadline, started, settle)
+            outcome.status = upstream.status
             conn.start(upstream.status, resp_headers)
             outcome.first_byte_at = self._clock()
-            events = _WholeEvents() if is_sse else None
-            stopped = await self._relay(conn, upstream, events, timeouts, deadline, outcome)
+            stopped = await self._relay(conn, upstream, events, timeouts, deadline, outcome, held)
             if stopped is None:
                 settle(upstream.status < 500)
                 conn.end()
@@ -369,6 +385,66 @@ class Proxy:
         """For the breaker: a timeout is the engine's failure only at the router's own limit."""
         return None if timeouts.shortened(bound, self.timeouts) else False
 
+    async def _hold(
+        self,
+        upstream: UpstreamResponse,
+        events: _WholeEvents,
+        timeouts: Timeouts,
+        deadline: float,
+        sent_at: float,
+        settle: Callable[[bool | None], None],
+    ) -> bytes:
+        """Read a stream's start until its first content or a bound of `HoldPolicy` (`kvstack.router.hold`);
+        return the whole events read, for the client. An engine that fails first is settled, its connection
+        closed, and ``_Retryable`` raised: the client has seen nothing of it."""
+        policy = self.hold
+        release_at = sent_at + (timeouts.first_byte if policy.seconds is None else policy.seconds)
+        pieces: list[bytes] = []
+        size = 0
+        failure: str | None = None
+        cause = "time"
+        while True:
+            now = self._clock()
+            bound, wait = timeouts.limit("idle", deadline - now)
+            left = release_at - now
+            if left <= 0:
+                break
+            try:
+                async with asyncio.timeout(min(wait, left)):
+                    chunk = await upstream.readany()
+            except TimeoutError:
+                if left < wait:
+                    break
+                settle(self._timeout_verdict(timeouts, bound))
+                failure = "timeout_before_content"
+                break
+            except UpstreamError:
+                chunk, failure = b"", "broken_before_content"
+            if not chunk:  # ended (or broke) before any content: as good as broken
+                settle(False)
+                failure = failure or "ended_before_content"
+                break
+            size += len(chunk)
+            whole = events.whole(chunk)
+            if whole:
+                pieces.append(whole)
+                verdict = scan(whole)
+                if verdict == "error":
+                    settle(False)
+                    failure = "error_before_content"
+                    break
+                if verdict == "content":
+                    cause = "content"
+                    break
+            if size > policy.max_bytes:
+                cause = "bytes"
+                break
+        if failure is not None:
+            upstream.close()
+            raise _Retryable(failure)
+        self.metrics.hold_released(cause)
+        return b"".join(pieces)
+
     async def _relay(
         self,
         conn: Connection,
@@ -377,9 +453,11 @@ class Proxy:
         timeouts: Timeouts,
         deadline: float,
         outcome: Outcome,
+        held: bytes = b"",
     ) -> Bound | Literal["client", "broke"] | None:
-        """Copy the engine's body to the client. None when it ended; "broke" when the engine's connection
-        failed; else what timed out: a wait for the engine (idle gap or total), or for the client."""
+        """Copy the engine's body to the client, starting with the ``held`` bytes. None when it ended;
+        "broke" when the engine's connection failed; else what timed out: a wait for the engine (idle gap or
+        total), or for the client."""
         loop = asyncio.get_running_loop()
         deadline_at = loop.time() + deadline - self._clock()  # the total deadline on the loop's clock
         idle = timeouts.idle
@@ -388,6 +466,11 @@ class Proxy:
             # One timer for the whole relay, moved before each wait: for the engine, the idle gap capped by
             # the deadline; for a client that is slow to read, the deadline alone.
             async with asyncio.timeout(None) as timer:
+                if held:
+                    waiting_for = "client"
+                    timer.reschedule(deadline_at)
+                    await conn.write(held)
+                    outcome.bytes_sent += len(held)
                 while True:
                     idle_at = loop.time() + idle
                     if idle_at < deadline_at:

@@ -106,7 +106,9 @@ async def start_router(opts: RouterOptions) -> RunningRouter:
         if opts.group is None
         else (opts.group.limit(opts.max_in_flight), opts.group.limit(opts.max_queue)),
     )
-    proxy = Proxy(upstream, front.registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry)
+    proxy = Proxy(
+        upstream, front.registry, metrics, timeouts=opts.app.timeouts, retry=opts.retry, hold=opts.app.hold
+    )
     prefiller = Prefiller(
         upstream, metrics, timeout=opts.app.pd_prefill_timeout, connect_timeout=opts.app.timeouts.connect
     )

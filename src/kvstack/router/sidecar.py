@@ -4,7 +4,8 @@ Every request is forwarded to the engine by the proxy's machinery (`Proxy`: stre
 that leaves aborts the engine's request). A request carrying ``x-prefiller-host-port`` (set by the picker
 when scheduling disaggregates it) is first prefilled on that engine (`kvstack.frontend.pd`), then sent to
 the local engine with the returned ``kv_transfer_params``; a failed prefill falls back to the local engine
-computing the prompt, counted by reason. The header is never forwarded.
+computing the prompt, counted by reason. The header is never forwarded. An engine failing before its first
+token (the proxy holds a stream until then) is a 502 before any byte, which Envoy retries elsewhere.
 
 Only prefill engines in the allowlist may be named (SSRF): those given with ``--prefill-engine``, and the
 engines whose role is prefill in the discovery source (an engines file, Kubernetes pods), kept current.

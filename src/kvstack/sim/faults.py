@@ -2,8 +2,8 @@
 
 Each generation request draws once, in this order: hang (never answers, until the client goes away),
 error (an OpenAI error JSON with one of ``error_codes``), then, if it streams, a dropped connection
-after ``drop_after_chunks`` chunks. ``first_token_delay`` (wall seconds) is added before the first
-byte of every generation response.
+after ``drop_after_chunks`` chunks (0: after the 200 and headers; a chat stream's role chunk is chunk 1).
+``first_token_delay`` (wall seconds) is added before the first byte of every generation response.
 """
 
 from __future__ import annotations
