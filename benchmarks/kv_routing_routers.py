@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from peers import PEER_VERSIONS
+from peers import PEER_VERSIONS, peer_router_command
 from procs import DEV_BIN, HOST, KVSTACK, Group, engines_not_ready, get
 
 from kvstack.epp.envoy_config import EnvoyOptions, bootstrap, render
@@ -119,13 +119,8 @@ def peer_target(kind: str, peers_python: Path, extra: list[str]) -> Target:
     sensitivity runs, e.g. ``--cache-threshold 0.5``; the name then shows them)."""
 
     def commands(launch: Launch) -> list[list[str]]:
-        if kind == "vllm-router":
-            cmd, level = [str(peers_python.parent / "vllm-router")], "warning"
-        else:
-            cmd, level = [str(peers_python), "-m", "sglang_router.launch_router"], "warn"
-        cmd += ["--host", HOST, "--port", str(launch.port), "--worker-urls", *launch.engines]
-        cmd += ["--prometheus-host", HOST, "--prometheus-port", str(launch.metrics_port)]
-        return [[*cmd, "--policy", "cache_aware", "--log-level", level, *extra]]
+        cmd = peer_router_command(kind, peers_python, HOST, launch.port, launch.metrics_port, launch.engines)
+        return [[*cmd, "--policy", "cache_aware", *extra]]
 
     version = PEER_VERSIONS[kind]
     name = kind + (f" [{' '.join(extra)}]" if extra else "")

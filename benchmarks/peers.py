@@ -1,7 +1,8 @@
 """The peer routers and the load generator the router benchmarks need, installed when missing.
 
 ``ensure_peers``: the ``.venvs/peers`` virtualenv holding ``PEER_PACKAGES`` (vllm-router and sglang-router,
-pinned; their pins stay out of kvstack's environment), created with pip. ``ensure_wrk``: Debian's wrk,
+pinned; their pins stay out of kvstack's environment), created with pip. ``peer_router_command``: the
+command line starting one of them in front of given engines. ``ensure_wrk``: Debian's wrk,
 installed with apt-get when running as root. With ``allow_install`` false both fail with the command to run.
 """
 
@@ -53,6 +54,21 @@ def ensure_peers(console: Console, allow_install: bool) -> Path:
     if not _peer_versions_ok(python):
         raise SystemExit(f"{PEERS}: pip finished but {' '.join(PEER_PACKAGES)} are not importable")
     return python
+
+
+def peer_router_command(
+    kind: str, peers_python: Path, host: str, port: int, metrics_port: int, engines: list[str]
+) -> list[str]:
+    """``vllm-router`` or ``sglang-router`` from ``.venvs/peers`` on ``host:port`` routing to ``engines``, its
+    Prometheus page on ``metrics_port``, warnings only (add ``--policy`` and the like after it)."""
+    if kind == "vllm-router":
+        cmd, level = [str(peers_python.parent / "vllm-router")], "warning"
+    elif kind == "sglang-router":
+        cmd, level = [str(peers_python), "-m", "sglang_router.launch_router"], "warn"
+    else:
+        raise ValueError(f"unknown peer router {kind!r}; known: {', '.join(PEER_VERSIONS)}")
+    cmd += ["--host", host, "--port", str(port), "--worker-urls", *engines]
+    return [*cmd, "--prometheus-host", host, "--prometheus-port", str(metrics_port), "--log-level", level]
 
 
 def _peer_versions_ok(python: Path) -> bool:
