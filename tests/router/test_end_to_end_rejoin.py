@@ -71,9 +71,10 @@ async def two_sims(tmp_path: Path) -> AsyncIterator[list[EngineProcess]]:
             engine.stop()
 
 
-# (scrape interval, seconds down before the restart): at once (the proxy's failures have opened the circuit,
-# the scraper has not yet marked it unhealthy), and long enough for the scraper to mark it unhealthy.
-@pytest.mark.parametrize(("interval", "down_s"), [(1.0, 0.0), (0.25, 0.0), (1.0, 6.0)])
+# (scrape interval, seconds down before the restart): quickly (the proxy's failures have opened the circuit,
+# the scraper has not marked it unhealthy; down at least one interval, so that a scrape sees it down), and
+# long enough for the scraper to mark it unhealthy.
+@pytest.mark.parametrize(("interval", "down_s"), [(1.0, 1.0), (0.25, 0.0), (1.0, 6.0)])
 async def test_restarted_sim_serves_again_with_its_old_prefixes_dropped(
     tmp_path: Path, interval: float, down_s: float
 ) -> None:
@@ -131,12 +132,17 @@ async def test_restarted_sim_serves_again_with_its_old_prefixes_dropped(
                 served = await eventually(
                     lambda: next(iter(load.to(restarted.url, healthy)), None), what="an answer from it"
                 )
+                subscriber = feeds.subscriber(restarted.url)
+                assert subscriber is not None
+                await eventually(lambda: subscriber.connected, what="its KV events reconnected")
+                events_back = time.monotonic()
                 await asyncio.sleep(0.5)
             rejoin = first - healthy
             print(
                 f"\nrejoin (sim, scrape interval {interval:g} s): healthy {healthy - killed:.2f} s after the "
                 f"kill ({down_s:g} s down), first request {rejoin:.3f} s after healthy, first answer "
-                f"{served.started - healthy:.3f} s after; trickle statuses {load.statuses()}"
+                f"{served.started - healthy:.3f} s after; KV events connected by "
+                f"{events_back - healthy:.3f} s after; trickle statuses {load.statuses()}"
             )
             assert rejoin < 2 * interval + 1.5, f"rejoin took {rejoin:.2f} s (scrape interval {interval} s)"
             text = (await (await http.get(f"{router.url}/metrics")).read()).decode()
@@ -144,10 +150,22 @@ async def test_restarted_sim_serves_again_with_its_old_prefixes_dropped(
             dropped = sample_sum(text, "kvstack_prefix_entries_dropped_total", engine=restarted.url)
             assert dropped >= PROMPT_BLOCKS
 
-            # The new process's events are applied: its blocks are indexed and repeats follow them.
-            again = fresh_prompt(2, PROMPT_BLOCKS * BLOCK)
-            async with http.post(f"{restarted.url}/v1/completions", json=ids_completion(again)) as r:
-                assert r.status == 200
+            # The event stream saw a new publisher (seq from 0, or gone past the grace period).
+            async def new_publisher_seen() -> bool:
+                async with http.get(f"{router.url}/metrics") as r:
+                    text = (await r.read()).decode()
+                return any(
+                    sample_sum(text, "kvstack_kv_event_resets_total", engine=restarted.url, reason=reason)
+                    for reason in ("restart", "disconnected")
+                )
+
+            await eventually(new_publisher_seen, what="the restarted engine's KV events")
+            # The new process starts empty (what it cached before is recomputed), and its events are applied:
+            # its blocks are indexed and repeats follow them.
+            async with http.post(f"{restarted.url}/v1/completions", json=ids_completion(cached)) as r:
+                usage = (await r.json())["usage"]
+                assert (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0) == 0, usage
+            again = cached
             await eventually(
                 lambda: locator.index.location_entries(restarted.url) >= PROMPT_BLOCKS,
                 what="the restarted engine's new blocks indexed",
