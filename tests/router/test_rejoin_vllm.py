@@ -22,7 +22,8 @@ from support.metrics import sample_sum
 from support.trickle import Trickle
 from support.waiting import eventually
 
-# Three vLLM starts (two engines, one restart): up to a few minutes each on a busy 2-core machine.
+# Three vLLM starts (two engines, one restart): 40 s to several minutes each on a busy 2-core machine (a
+# restart competes with the loaded steady engine for the core vLLM binds its threads to).
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 MODEL = "tiny"  # start_vllm's served name
@@ -105,21 +106,37 @@ async def test_restarted_vllm_serves_again_and_recomputes_what_it_cached_before(
             def body(n: int) -> dict[str, object]:
                 return {"model": MODEL, "prompt": f"request {n} of the steady trickle", "max_tokens": 2}
 
-            async with Trickle(http, router.url, body, every_s=0.2) as load:
+            feeds = router.feeds
+            subscriber = None if feeds is None else feeds.subscriber(victim.url)
+            assert subscriber is not None
+            changes: list[tuple[float, bool]] = []  # (when, connected) of the victim's KV-event stream
+
+            async def follow_connection() -> None:
+                while True:
+                    if not changes or changes[-1][1] != subscriber.connected:
+                        changes.append((time.monotonic(), subscriber.connected))
+                    await asyncio.sleep(0.01)
+
+            watching = asyncio.create_task(follow_connection())
+            async with Trickle(http, router.url, body, every_s=0.5, concurrency=1) as load:
                 await asyncio.sleep(2.0)
                 await asyncio.to_thread(victim.kill)
                 killed = time.monotonic()
                 victim.start_again()
-                healthy = await healthy_at(http, victim.url, timeout_s=300)
+                healthy = await healthy_at(http, victim.url, timeout_s=480)
                 stale = index.location_entries(victim.url)
                 first = await eventually(
                     lambda: sent_to(router, victim.url, healthy), what="a request to it", timeout_s=30
                 )
                 await eventually(lambda: load.to(victim.url, healthy), what="an answer from it", timeout_s=30)
+                await eventually(lambda: subscriber.connected, what="its KV events reconnected", timeout_s=30)
+            watching.cancel()
+            events_back = next(t for t, connected in changes if connected and t > killed)
             rejoin = first - healthy
             print(
                 f"\nrejoin (vLLM, scrape interval {INTERVAL:g} s): healthy {healthy - killed:.1f} s after "
-                f"the kill, first request {rejoin:.3f} s after healthy; prefix entries at healthy {stale}; "
+                f"the kill, first request {rejoin:.3f} s after healthy, KV events connected "
+                f"{events_back - healthy:+.3f} s from healthy; prefix entries at healthy {stale}; "
                 f"trickle statuses {load.statuses()}"
             )
             assert stale == 0, "the old process's prefix entries outlived it"
