@@ -396,3 +396,74 @@ async def test_stop_cancels_scrapes_in_flight(scrape_client: ClientFactory) -> N
         await scraper.stop()
         assert time.monotonic() - started < 1.0
         await scraper.stop()  # idempotent
+
+
+@dataclass
+class Watcher:
+    """An EngineWatcher that keeps what it is told."""
+
+    events: list[tuple[str, str]] = field(default_factory=list)
+
+    def engine_down(self, state: EngineState) -> None:
+        self.events.append(("down", state.url))
+
+    def engine_back(self, state: EngineState) -> None:
+        self.events.append(("back", state.url))
+
+
+async def test_an_engine_refusing_connections_is_down_and_back_on_its_next_answer(
+    scrape_client: ClientFactory,
+) -> None:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(text="vllm:num_requests_waiting 0\n")
+
+    async def serve() -> web.AppRunner:
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        return runner
+
+    watcher = Watcher()
+    async with scrape_client() as http:
+        state = _state(url)
+        scraper = MetricsScraper(http, lambda: [state], unhealthy_after=3, watcher=watcher)
+        await scraper.scrape_once()  # nothing listens yet: an engine never seen up is not "down"
+        runner = await serve()
+        await scraper.scrape_once()
+        assert watcher.events == [] and state.healthy
+        await runner.cleanup()  # the process goes away: the first refused connect says so
+        await scraper.scrape_once()
+        assert watcher.events == [("down", url)] and state.healthy  # not yet unhealthy (3 failures)
+        await scraper.scrape_once()
+        assert watcher.events == [("down", url)]
+        runner = await serve()  # restarted on the same address
+        try:
+            await scraper.scrape_once()
+            assert watcher.events == [("down", url), ("back", url)]
+            await scraper.scrape_once()
+            assert len(watcher.events) == 2
+        finally:
+            await runner.cleanup()
+
+
+async def test_an_engine_answering_errors_or_slowly_is_not_down(scrape_client: ClientFactory) -> None:
+    mode = {"status": 200}
+
+    async def slow_or_failing(request: web.Request) -> web.Response:
+        if mode["status"] == 0:
+            await asyncio.sleep(5)
+        return web.Response(status=mode["status"] or 200, text="vllm:num_requests_waiting 0\n")
+
+    watcher = Watcher()
+    async with metrics_server(slow_or_failing) as url, scrape_client() as http:
+        state = _state(url)
+        scraper = MetricsScraper(http, lambda: [state], timeout=0.2, watcher=watcher)
+        await scraper.scrape_once()
+        for mode["status"] in (500, 503, 0, 0, 200):
+            await scraper.scrape_once()
+    assert watcher.events == []

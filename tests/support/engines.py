@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from support.ports import free_port
-from support.processes import spawn, stop_group
+from support.processes import kill_group, spawn, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -61,6 +61,8 @@ class EngineProcess:
     log_path: Path
     block_size: int
     extra: dict[str, object] = field(default_factory=dict)
+    cmd: list[str] = field(default_factory=list)  # how it was started (``respawn`` runs it again)
+    env: dict[str, str] | None = None
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -70,6 +72,15 @@ class EngineProcess:
 
     def stop(self, timeout: float = 30.0) -> None:
         stop_group(self.proc, timeout)
+
+    def kill(self) -> None:
+        """SIGKILL the server's process group (and reap it)."""
+        kill_group(self.proc)
+
+    def start_again(self) -> None:
+        """Run the same command again on the same ports (a new process: empty cache, KV-event seq from 0).
+        Returns at once; the caller waits for /health."""
+        self.proc = spawn(self.cmd, self.log_path, env=self.env, cwd=self.log_path.parent)
 
 
 def wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path, deadline_s: float) -> None:
@@ -162,6 +173,8 @@ def start_vllm(
         proc,
         log_path,
         block_size=128,
+        cmd=cmd,
+        env=server_env,
     )
 
 
@@ -226,6 +239,7 @@ def start_sim(
         proc,
         log_path,
         block_size=block_size,
+        cmd=cmd,
     )
 
 

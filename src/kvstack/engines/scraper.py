@@ -9,6 +9,9 @@ and by ``max_bytes``; an engine whose scrape is still running is skipped for the
 - failure: the last reading goes stale after ``stale_after`` (stale signals read as unknown, never idle).
   ``unhealthy_after`` consecutive "connect" failures (nothing listens, connecting times out, unusable URL)
   set ``healthy`` = False; any other failure leaves health alone (the engine is there, its load unknown).
+- down and back (``EngineWatcher``, after the engine answered once): a refused connect (nothing listens at
+  the address: the process is gone) or ``unhealthy_after`` connect failures make it *down*; its next good
+  scrape makes it *back* (a restarted engine rejoins within one interval plus jitter of answering).
 Failure reasons (``ScrapeObserver.on_scrape``): ``timeout``, ``connect``, ``http_<status>``, ``too_large``,
 ``parse``, ``unknown_engine_type``, ``client_error``. An expected metric the engine lacks is logged once per
 engine and name, with what was found instead, and reported through ``ScrapeObserver.on_missing``.
@@ -28,9 +31,16 @@ from typing import Protocol
 from kvstack.engines.catalog import MetricCatalog, catalog_for
 from kvstack.engines.metrics_reader import CatalogReading, MetricsParseError, read_signals
 from kvstack.engines.state import EngineState, MetricsReading
-from kvstack.http.client import BodyTooLarge, ConnectFailed, UpstreamError, UpstreamPool, UpstreamTimeout
+from kvstack.http.client import (
+    BodyTooLarge,
+    ConnectFailed,
+    ConnectTimedOut,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamTimeout,
+)
 
-__all__ = ["MetricsScraper", "ScrapeObserver"]
+__all__ = ["EngineWatcher", "MetricsScraper", "ScrapeObserver"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,14 +60,23 @@ class ScrapeObserver(Protocol):
         Called with the empty set when the engine leaves, so its series can be dropped."""
 
 
+class EngineWatcher(Protocol):
+    """Told when an engine that answered before goes down and when it answers again (module docstring)."""
+
+    def engine_down(self, state: EngineState) -> None: ...
+
+    def engine_back(self, state: EngineState) -> None: ...
+
+
 class ScrapeFailed(Exception):
     """A scrape that failed: ``reason`` is its label (module docstring), ``reached`` says the engine
-    answered (a failure of its metrics, not of its health)."""
+    answered (a failure of its metrics, not of its health), ``absent`` that nothing listens there."""
 
-    def __init__(self, reason: str, detail: str, *, reached: bool) -> None:
+    def __init__(self, reason: str, detail: str, *, reached: bool, absent: bool = False) -> None:
         super().__init__(detail)
         self.reason = reason
         self.reached = reached
+        self.absent = absent
 
 
 @dataclass
@@ -66,6 +85,8 @@ class _Track:
 
     failures: int = 0  # consecutive scrapes that did not reach the engine
     failing: bool = False  # the last scrape failed (any reason); for one log line per outage
+    answered: bool = False  # some scrape succeeded
+    down: bool = False  # seen down since its last good scrape (EngineWatcher)
     missing: frozenset[str] = frozenset()
     warned: set[tuple[str, str | None]] = field(default_factory=set)  # (name, alias read instead)
 
@@ -85,6 +106,7 @@ class MetricsScraper:
         unhealthy_after: int = 5,
         max_bytes: int = DEFAULT_MAX_BYTES,
         observer: ScrapeObserver | None = None,
+        watcher: EngineWatcher | None = None,
         rng: random.Random | None = None,
     ) -> None:
         if interval <= 0 or timeout <= 0 or unhealthy_after < 1 or max_bytes < 1:
@@ -98,6 +120,7 @@ class MetricsScraper:
         self.unhealthy_after = unhealthy_after
         self.max_bytes = max_bytes
         self._observer = observer
+        self._watcher = watcher
         self._rng = rng or random.Random()
         self._tracks: dict[str, _Track] = {}
         self._inflight: dict[str, asyncio.Task[None]] = {}
@@ -217,8 +240,10 @@ class MetricsScraper:
                 connect_timeout=self.timeout / 2,
                 max_bytes=self.max_bytes,
             )
-        except ConnectFailed as exc:
+        except ConnectTimedOut as exc:
             raise ScrapeFailed("connect", str(exc), reached=False) from exc
+        except ConnectFailed as exc:
+            raise ScrapeFailed("connect", str(exc), reached=False, absent=True) from exc
         except UpstreamTimeout as exc:
             raise ScrapeFailed("timeout", str(exc), reached=False) from exc
         except BodyTooLarge as exc:
@@ -247,7 +272,11 @@ class MetricsScraper:
             return
         if track.failing:
             logger.info("engine %s: metrics scrape succeeds again", url)
-        track.failures, track.failing = 0, False
+        track.failures, track.failing, track.answered = 0, False, True
+        if track.down:
+            track.down = False
+            logger.info("engine %s answers again after it was down", url)
+            self._watch(state, back=True)
         for gap in reading.gaps:
             # Once per name, and again only if what stands in for it changes (a legacy alias vanishes).
             key = (gap.name, gap.found_instead.name if gap.found_instead else None)
@@ -286,6 +315,9 @@ class MetricsScraper:
                         track.failures,
                     )
                     state.healthy = False
+                if (failed.absent or not state.healthy) and track.answered and not track.down:
+                    track.down = True
+                    self._watch(state, back=False)
         self._refresh_staleness((state,))
         self._notify_scrape(url, False, duration, failed.reason)
 
@@ -293,6 +325,14 @@ class MetricsScraper:
         if self._observer is not None:
             with _observer_guard():
                 self._observer.on_scrape(url, ok, duration, reason)
+
+    def _watch(self, state: EngineState, *, back: bool) -> None:
+        if self._watcher is not None:
+            with _observer_guard():
+                if back:
+                    self._watcher.engine_back(state)
+                else:
+                    self._watcher.engine_down(state)
 
     def _notify_missing(self, url: str, names: frozenset[str]) -> None:
         if self._observer is not None:

@@ -1,6 +1,7 @@
 """Build and run what both front ends share: side-call connections to engines, the fleet (registry with
 circuit breakers, model discovery), scheduling (one `SchedulerPicker`), prefix knowledge (index, history,
-KV-event and cache-event feeds), prompt tokenization, the metrics scraper, discovery and admission.
+KV-event and cache-event feeds), prompt tokenization, the metrics scraper (with `EngineRejoin` watching
+engines go down and come back), discovery and admission.
 
 The proxy (`kvstack.router.server`) and the Envoy picker (`kvstack.epp`) each build one `FrontEnd` from
 their options, add their own serving part, then ``start()`` it; ``stop()`` undoes everything it started.
@@ -24,6 +25,7 @@ from kvstack.frontend.kv_feeds import CacheEvents, KVEventFeeds
 from kvstack.frontend.metrics import RouterMetrics
 from kvstack.frontend.prefix import PrefixLocator, PrefixSource
 from kvstack.frontend.registry import EngineRegistry, InFlightTable
+from kvstack.frontend.rejoin import EngineRejoin
 from kvstack.frontend.routing import SchedulerPicker
 from kvstack.http.client import UpstreamPool
 from kvstack.index.history import HistoryIndex
@@ -148,6 +150,7 @@ def build_front_end(
     locator = PrefixLocator(
         PrefixIndex(opts.index_max_entries), HistoryIndex(opts.history_max_blocks, opts.history_ttl)
     )
+    locator.on_dropped = metrics.prefix_dropped
     prompts = _prompt_tokenizer(opts, side_calls, registry, metrics)
     picker = SchedulerPicker(
         scheduler, kv_scheduler=kv_scheduler, prompts=prompts, locator=opts.prefix_source or locator
@@ -178,6 +181,7 @@ def build_front_end(
         interval=opts.scrape_interval,
         timeout=opts.scrape_timeout,
         observer=metrics,
+        watcher=EngineRejoin(registry, locator, metrics),
     )
     return FrontEnd(fleet, picker, locator, prompts, admission, side_calls, scraper, feeds, opts)
 
@@ -231,6 +235,7 @@ def _prefix_state(
     """The /engines detail of an engine's prefix knowledge."""
     sub = None if feeds is None else feeds.subscriber(state.url)
     return {
+        "prefix_entries": locator.index.location_entries(state.url),
         "kv_events": None
         if sub is None or not sub.sources  # no events known (yet)
         else {
@@ -238,5 +243,5 @@ def _prefix_state(
             "connected": sub.connected,
             "batches": sub.batches,
             "block_size": locator.block_size(state.url),
-        }
+        },
     }

@@ -5,7 +5,9 @@ proxy retries on) open the circuit. OPEN: the engine is not routable for ``open_
 HALF_OPEN: exactly one probe request is let through; its success closes the circuit, its failure
 opens it again for twice as long (`kvstack.backoff`, from the current open time; up to
 ``max_open_seconds``). Client errors (4xx) never count: a bad request says nothing about the
-engine. ``force_open`` takes a sibling worker's open time as its own place on that ladder.
+engine. ``force_open`` takes a sibling worker's open time as its own place on that ladder. ``probe_now``
+(the engine answers again after it was down: a restart) turns an open circuit half-open at once, back on
+the ladder's first rung.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ class CircuitBreaker:
     def release_probe(self) -> None:
         """A probe ended without an outcome (for example the client went away): let another through."""
         self._probe_in_flight = False
+
+    def probe_now(self) -> None:
+        """The engine answers again after it was down: let one probe through now instead of at the end of
+        the open time (which may have grown while it restarted)."""
+        if self._state is not CircuitState.CLOSED:
+            self._state = CircuitState.HALF_OPEN
+            self._probe_in_flight = False
+            self._open_for = self.config.open_seconds
 
     def force_open(self, seconds: float) -> None:
         """Open because another router process's breaker for this engine opened (no hook call)."""

@@ -108,6 +108,17 @@ ENGINE_SERIES: dict[str, tuple[str, tuple[str, ...], str]] = {
         ("engine", "reason"),
         _COUNTER,
     ),
+    "kvstack_prefix_entries_dropped": (
+        "Prefix entries (KV-event index and routing history) dropped, by engine and reason (engine_down, "
+        "restart, gap, disconnected, ...).",
+        ("engine", "reason"),
+        _COUNTER,
+    ),
+    "kvstack_engine_rejoins": (
+        "Times an engine answered its metrics scrape again after it was seen down (e.g. restarted).",
+        ("engine",),
+        _COUNTER,
+    ),
     "kvstack_kv_events_connected": (
         "1 while the router's KV event subscription to the engine is connected.",
         ("engine",),
@@ -538,6 +549,12 @@ class RouterMetrics:
 
     def kv_reset(self, engine: str, reason: str) -> None:
         self.hot.count("kvstack_kv_event_resets", (engine, reason))
+
+    def prefix_dropped(self, engine: str, reason: str, entries: int) -> None:
+        self.hot.count("kvstack_prefix_entries_dropped", (engine, reason), entries)
+
+    def engine_rejoined(self, engine: str) -> None:
+        self.hot.count("kvstack_engine_rejoins", (engine,))
 
     def kv_connected(self, engine: str, connected: bool) -> None:
         self.hot.set_gauge("kvstack_kv_events_connected", (engine,), 1.0 if connected else 0.0)

@@ -5,6 +5,9 @@ lookup that turns both into the ``PrefixView`` scheduling reads.
   chained hash of its token ids, from its parent's key (an unknown parent makes it an orphan: counted and
   skipped); ``BlockRemoved`` goes through the engine-hash map; ``AllBlocksCleared`` and a reset clear the
   location. Blocks whose ``extra_keys`` hold more than their LoRA adapter's name are skipped.
+- An engine seen down (``engine_down``: its process went away, whatever answers at its URL next has an
+  empty cache) loses its index entries and its routing history. ``on_dropped(engine, reason, entries)``
+  hears every such drop and every reset.
 - Namespaces: per LoRA adapter and block size; a request's model is looked up as an adapter once an
   engine's events named it so. A request with a ``cache_salt`` gets no exact credit (history is salted).
 - Layout: per location, only the full-attention (group, block size) that carried the most tokens is indexed.
@@ -22,7 +25,7 @@ import functools
 import logging
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Protocol
 
@@ -117,6 +120,7 @@ class PrefixLocator:
         self._history_keyer = BlockKeyer("router-history", history_block_size)
         self._cache_nodes: dict[str, str | None] = {}  # cache location -> node it runs on
         self._named_caches: set[str] = set()  # cache locations whose events name the chunks' model
+        self.on_dropped: Callable[[str, str, int], None] | None = None  # (engine, reason, entries dropped)
 
     def keyer(self, namespace: str, block_size: int) -> BlockKeyer:
         return self._keyers(namespace, block_size)
@@ -213,8 +217,20 @@ class PrefixLocator:
 
     def reset(self, engine: str, reason: str) -> None:
         log.info("engine %s: prefix index entries dropped (%s)", engine, reason)
+        self._dropped(engine, reason, self._clear(engine))
+
+    def engine_down(self, engine: str) -> int:
+        """The engine's process went away: drop its index entries and routing history (its block size and
+        layout stay for the process that comes back); returns the entries dropped."""
+        dropped = self._clear(engine) + self.history.forget(engine)
+        if dropped:
+            log.info("engine %s is down: its %d prefix entries dropped", engine, dropped)
+        self._dropped(engine, "engine_down", dropped)
+        return dropped
+
+    def _clear(self, engine: str) -> int:
         self.stats.clears += 1
-        self.index.clear_location(engine)
+        dropped = self.index.clear_location(engine)
         if engine in self._cache_nodes:
             self.index.clear_location(_remote(engine))
         layout = self._layouts.get(engine)
@@ -222,6 +238,11 @@ class PrefixLocator:
             # A restarted engine may come back with another block size: it takes over after one block more
             # than one block of the old size (a partial block alone never does).
             layout.tokens = {layout.main: layout.main[1]}
+        return dropped
+
+    def _dropped(self, engine: str, reason: str, entries: int) -> None:
+        if self.on_dropped is not None:
+            self.on_dropped(engine, reason, entries)
 
     def add_cache(self, location: str, node: str | None) -> None:
         """A cache server whose events arrive as ``location``, on ``node`` (None: no node-local credit)."""

@@ -356,6 +356,11 @@ class PrefixIndex:
                     out[by_bit[low].name] = same
         return out
 
+    def location_entries(self, location: str) -> int:
+        """Blocks ``location`` holds (any tier)."""
+        loc = self._locations.get(location)
+        return 0 if loc is None else len(loc.members)
+
     def locations(self) -> list[str]:
         """Locations holding at least one block."""
         return list(self._locations)

@@ -13,7 +13,8 @@ filled by replay (vLLM's DEALER/ROUTER protocol) up to the live batch; one at or
 source with a replay service connects and nothing of it is known (just started, or its entries dropped),
 everything the publisher still buffers is replayed at once (``catch_up``), so a restarted router knows the
 engine's cache before its next event; without one, a source's first batch replays from 0 and resets
-nothing. ZMQ reconnects by itself; a short drop keeps the state. A malformed message, one over
+nothing. ZMQ reconnects by itself (at least once a second: a restarted engine's stream resumes before it
+serves); a short drop keeps the state. A malformed message, one over
 ``max_message_bytes`` or over ``max_blocks_per_batch`` blocks is counted and skipped, an unknown event type
 counted; nothing a peer sends stops the subscriber.
 """
@@ -325,7 +326,7 @@ class KVEventSubscriber:
         replay_timeout: float = 5.0,
         rcv_hwm: int = 100_000,
         reconnect_ivl_ms: int = 100,
-        reconnect_ivl_max_ms: int = 5_000,
+        reconnect_ivl_max_ms: int = 1_000,
         resolve_backoff: Backoff = RESOLVE_BACKOFF,
         disconnect_grace: float = 3.0,
         duplicate_window: int = 16,
