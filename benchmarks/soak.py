@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import random
 import shlex
+import signal
 import sys
 import tempfile
 import time
@@ -216,6 +217,8 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    # SIGTERM (a test's timeout) unwinds like Ctrl-C, so that the processes started are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = shlex.join([".venvs/dev/bin/python", "benchmarks/soak.py", *(argv or sys.argv[1:])])
     started = datetime.now(UTC).isoformat(timespec="seconds")
     info = machine()

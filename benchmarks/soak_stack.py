@@ -35,6 +35,7 @@ BURSTS: dict[str, dict[str, Any]] = {
     "drops": {"drop_rate": 0.25},
     "hangs": {"hang_rate": 0.05},
 }
+ENVOY = Path(os.environ.get("KVSTACK_ENVOY", DEV_BIN / "envoy"))
 CHUNK = 64  # tokens per cache-server chunk (a multiple of the sims' block size, 16)
 
 
@@ -193,7 +194,7 @@ def start_stack(workdir: Path, n_engines: int, time_scale: float) -> Stack:
             "envoy",
             [
                 [
-                    *(str(DEV_BIN / "envoy"), "-c", str(config), "--concurrency", "1"),
+                    *(str(ENVOY), "-c", str(config), "--concurrency", "1"),
                     *("--disable-hot-restart", "--log-level", "info"),
                 ]
             ],
@@ -212,6 +213,7 @@ def start_stack(workdir: Path, n_engines: int, time_scale: float) -> Stack:
             f"http://{HOST}:{admin_port}",
         )
         wait_http(stack.envoy_admin, "/ready", 30.0, envoy)
+        _wait_picker_healthy(envoy, stack.envoy_admin)
         for group, url in ((router, stack.router_url), (epp, stack.epp_url)):
             _wait_engines(group, url, n_engines)
         return stack
@@ -222,6 +224,20 @@ def start_stack(workdir: Path, n_engines: int, time_scale: float) -> Stack:
             if e.group is not None:
                 e.group.stop()
         raise
+
+
+def _wait_picker_healthy(envoy: Group, admin: str, budget_s: float = 30.0) -> None:
+    """Envoy is LIVE before its first gRPC health check of the picker passes; until then it answers 503
+    (no healthy upstream) without asking the picker."""
+    deadline = time.monotonic() + budget_s
+    stat = "cluster.picker.membership_healthy"
+    while time.monotonic() < deadline:
+        body = get(admin, f"/stats?filter=^{stat}$")[1].decode()
+        values = [line.split(": ", 1)[1] for line in body.splitlines() if line.startswith(f"{stat}: ")]
+        if values and int(values[0]) > 0:
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"envoy: no healthy picker after {budget_s:.0f}s\n{envoy.log_text()[-2000:]}")
 
 
 def _wait_engines(group: Group, url: str, n: int, budget_s: float = 30.0) -> None:
