@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import shlex
 import signal
@@ -52,6 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--count-slack", type=int, default=4, help="fds/sockets slack")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--logs", type=Path, default=None, help="keep the processes' logs here (default: dropped)")
+    p.add_argument("--from-json", type=Path, default=None, help="judge a saved soak.json again (no run)")
     p.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "soak")
     return p.parse_args(argv)
 
@@ -177,36 +179,14 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
             "router": await _metrics(http, stack.router_url),
             "envoy": await _metrics(http, stack.epp_url),
         }
-    warmup_end = load_start + args.warmup * (load_end - load_start)
-    fronts = {
-        f: {
-            "client": tallies[f].as_json(),
-            "counters": counters[f],
-            "accounting": accounting_verdict(f, tallies[f].as_json(), counters[f]),
-        }
-        for f in tallies
-    }
-    leaks = leak_verdict(
-        soak.samples,
-        idle,
-        warmup_end=warmup_end,
-        load_end=load_end,
-        edge=max(0.05 * (load_end - load_start), 2 * sample_every),
-        rss_pct=args.rss_pct,
-        rss_slack_mib=args.rss_slack_mib,
-        count_slack=args.count_slack,
-    )
     return {
         "minutes": args.minutes,
         "restart_every_s": restart_every,
         "sample_every_s": sample_every,
         "load_start_s": load_start,
-        "warmup_end_s": warmup_end,
         "load_end_s": load_end,
         "watched": list(soak.watched),
-        "fronts": fronts,
-        "leaks": leaks,
-        "ok": all(f["accounting"]["ok"] for f in fronts.values()) and all(v["ok"] for v in leaks.values()),
+        "fronts": {f: {"client": tallies[f].as_json(), "counters": counters[f]} for f in tallies},
         "restarts_s": soak.restarts,
         "bursts": soak.bursts,
         "baseline": baseline,
@@ -215,22 +195,49 @@ async def run(args: argparse.Namespace, stack: Stack) -> dict[str, Any]:
     }
 
 
+def judge(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The verdict on a run's facts, with this command line's bounds (also for a saved run: --from-json)."""
+    start, end = result["load_start_s"], result["load_end_s"]
+    result["warmup_end_s"] = start + args.warmup * (end - start)
+    result["bounds"] = {k: getattr(args, k) for k in ("warmup", "rss_pct", "rss_slack_mib", "count_slack")}
+    for f, front in result["fronts"].items():
+        front["accounting"] = accounting_verdict(f, front["client"], front["counters"])
+    result["leaks"] = leak_verdict(
+        result["samples"],
+        result["idle"],
+        warmup_end=result["warmup_end_s"],
+        load_end=end,
+        edge=max(0.05 * (end - start), 2 * result["sample_every_s"]),
+        rss_pct=args.rss_pct,
+        rss_slack_mib=args.rss_slack_mib,
+        count_slack=args.count_slack,
+    )
+    result["ok"] = all(f["accounting"]["ok"] for f in result["fronts"].values()) and all(
+        v["ok"] for v in result["leaks"].values()
+    )
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # SIGTERM (a test's timeout) unwinds like Ctrl-C, so that the processes started are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     command = shlex.join([".venvs/dev/bin/python", "benchmarks/soak.py", *(argv or sys.argv[1:])])
     started = datetime.now(UTC).isoformat(timespec="seconds")
-    info = machine()
-    with tempfile.TemporaryDirectory(prefix="kvstack-soak-") as tmp:
-        workdir = args.logs or Path(tmp)
-        stack = start_stack(workdir, args.engines, args.time_scale)
-        try:
-            result = asyncio.run(run(args, stack))
-        finally:
-            stack.stop()
-        result["problems_in_logs"] = _log_problems(workdir / "logs")
-    result = {"command": command, "started": started, "machine": info, "git": git_state(), **result}
+    info = machine() if args.from_json is None else {}
+    if args.from_json is not None:
+        result = judge(json.loads(args.from_json.read_text()), args)
+    else:
+        with tempfile.TemporaryDirectory(prefix="kvstack-soak-") as tmp:
+            workdir = args.logs or Path(tmp)
+            stack = start_stack(workdir, args.engines, args.time_scale)
+            try:
+                facts = asyncio.run(run(args, stack))
+            finally:
+                stack.stop()
+            facts["problems_in_logs"] = _log_problems(workdir / "logs")
+        facts = {"command": command, "started": started, "machine": info, "git": git_state(), **facts}
+        result = judge(facts, args)
     args.out.mkdir(parents=True, exist_ok=True)
     write_json(args.out / "soak.json", result)
     plot(result, args.out / "soak.png")

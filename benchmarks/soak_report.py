@@ -49,9 +49,13 @@ def leak_verdict(
         rss_start, rss_end = mean(warm_rss) / 1024, mean(end_rss) / 1024
         change = (rss_end - rss_start) / rss_start
         rss_ok = abs(rss_end - rss_start) <= rss_pct / 100 * rss_start + rss_slack_mib
+        bounds = [warmup_end + i * span / 4 for i in range(5)]
+        rss_windows = [
+            round(mean(_window(samples, name, "rss_kib", a, b) or [0]) / 1024, 1)
+            for a, b in itertools.pairwise(bounds)
+        ]
         counts: dict[str, Any] = {}
         for key in ("fds", "sockets"):
-            bounds = [warmup_end + i * span / 4 for i in range(5)]
             windows = [mean(_window(samples, name, key, a, b) or [0]) for a, b in itertools.pairwise(bounds)]
             warm_max = max(_window(samples, name, key, warmup_end - edge, warmup_end + edge))
             growing = all(b > a for a, b in itertools.pairwise(windows)) and (
@@ -69,6 +73,7 @@ def leak_verdict(
             "rss_mib_end": round(rss_end, 1),
             "rss_change_pct": round(100 * change, 1),
             "rss_ok": rss_ok,
+            "rss_window_means_mib": rss_windows,  # 4 windows after warm-up: growth that flattens or goes on
             **counts,
             "ok": rss_ok and all(c["ok"] for c in counts.values()),
         }
