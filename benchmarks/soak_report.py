@@ -134,21 +134,25 @@ def table(result: dict[str, Any]) -> str:
 def plot(result: dict[str, Any], path: Path) -> None:
     """RSS, fds and sockets of the sampled processes over time, warm-up end, restarts and load stop marked."""
     samples = result["samples"]
-    fig, axes = plt.subplots(3, 1, figsize=(10, 9), sharex=True)
-    for ax, key, label in zip(
-        axes, ("rss_kib", "fds", "sockets"), ("RSS (MiB)", "open fds", "socket fds"), strict=True
-    ):
-        for name in result["watched"]:
+    fig, axes = plt.subplots(4, 1, figsize=(10, 11), sharex=True)
+    panels = [
+        ("rss_kib", "RSS (MiB)", [n for n in result["watched"] if n != "cache-server"]),
+        ("rss_kib", "cache server RSS (MiB)", ["cache-server"]),
+        ("fds", "open fds", result["watched"]),
+        ("sockets", "socket fds", result["watched"]),
+    ]
+    for ax, (key, label, names) in zip(axes, panels, strict=True):
+        for name in names:
             pts = [(s["t"] / 60, s["procs"][name][key]) for s in samples if s["procs"].get(name)]
             ys = [y / 1024 if key == "rss_kib" else y for _, y in pts]
             ax.plot([x for x, _ in pts], ys, label=name, linewidth=1)
+        ax.legend(loc="upper left", fontsize=8, ncol=4)
         ax.axvline(result["warmup_end_s"] / 60, color="grey", linestyle="--", linewidth=0.8)
         ax.axvline(result["load_end_s"] / 60, color="black", linestyle="--", linewidth=0.8)
         for t in result["restarts_s"]:
             ax.axvline(t / 60, color="red", alpha=0.15, linewidth=0.8)
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(loc="upper left", fontsize=8, ncol=4)
     axes[-1].set_xlabel("minutes (dashed: warm-up end, load stop; red: engine SIGKILL + restart)")
     fig.suptitle(f"kvstack soak, {result['minutes']:g} min")
     fig.tight_layout()
