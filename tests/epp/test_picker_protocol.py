@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+from typing import Any
+
 import aiohttp
 import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -265,3 +268,36 @@ async def test_a_message_naming_no_phase_is_answered_400(picker_stack: PickerSta
     code, body, _ = immediate(await stream.exchange(pb.ProcessingRequest()))
     assert code == 400 and "no phase" in body["error"]["message"]
     await stream.close()
+
+
+@pytest.mark.epp_options(max_in_flight=1, max_queue=0)
+async def test_a_stream_reset_while_the_picker_decides_holds_no_engine_or_slot(
+    picker_stack: PickerStack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Envoy gives up on a slow decision (message timeout, client gone): the decision finishing afterwards
+    must not count the request in flight on its engine, nor keep its admission slot."""
+    picker = picker_stack.epp.picker
+    decide = picker.decide
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def slow_decide(request: Any) -> Any:
+        entered.set()
+        await release.wait()
+        return await decide(request)
+
+    monkeypatch.setattr(picker, "decide", slow_decide)
+    stream = picker_stack.client.stream()
+    await stream.exchange(headers_message())
+    stream.send(body_message(BODY))
+    await asyncio.wait_for(entered.wait(), 5)
+    stream.cancel()
+    await eventually(lambda: picker.streams == 0, what="stream closed on reset")
+    release.set()
+    await asyncio.sleep(0.2)  # the decision completes after the stream is gone
+    assert sum(picker_stack.in_flight().values()) == 0
+    monkeypatch.setattr(picker, "decide", decide)
+    again = picker_stack.client.stream()  # the only admission slot is free again
+    await again.exchange(headers_message())
+    header, _ = destination(await again.exchange(body_message(BODY)))
+    assert header is not None
+    await again.close()

@@ -24,6 +24,11 @@ from support.ports import free_port
 from support.processes import kill_group, spawn, stop_group
 
 REPO = Path(__file__).resolve().parents[2]
+# vLLM's CPU backend binds a server's compute threads to the cores it does not reserve for its scheduler: on a
+# 2-core machine every engine to core 0. Engines started here take the usable cores in turn instead, so two
+# engines of one test do not share one core while the other idles.
+_VLLM_CORES = sorted(os.sched_getaffinity(0))
+_vllm_started = 0
 
 
 def vllm_python() -> Path:
@@ -154,6 +159,10 @@ def start_vllm(
     server_env = dict(os.environ)
     # Dev mode serves /reset_prefix_cache, which tests use to start from an empty prefix cache.
     server_env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"})
+    global _vllm_started
+    if len(_VLLM_CORES) > 1:
+        server_env["VLLM_CPU_OMP_THREADS_BIND"] = str(_VLLM_CORES[_vllm_started % len(_VLLM_CORES)])
+    _vllm_started += 1
     server_env.update(env or {})
     workdir.mkdir(parents=True, exist_ok=True)
     log_path = workdir / f"vllm-{port}.log"

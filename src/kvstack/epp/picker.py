@@ -18,7 +18,8 @@ Response phase: ``:status`` and the served endpoint (``x-gateway-destination-end
 when Envoy retried) settle the circuit breakers and the request metrics. The time to first byte is the time
 to the response headers, or to the first body chunk when Envoy sends response bodies; then the tail of the
 body also gives the tokens the engine's ``usage`` reports (`kvstack.epp.usage`). The request counts as in
-flight on its engine, and holds its admission slot, until the stream ends (``close``), whatever ended it.
+flight on its engine, and holds its admission slot, until the stream ends (``close``), whatever ended it;
+a decision that completes after Envoy reset the stream counts nothing.
 """
 
 from __future__ import annotations
@@ -114,6 +115,10 @@ class PendingRequest:
     route: RouteRequest | None = None
     chunks: list[bytes] = field(default_factory=list)
     size: int = 0
+
+
+# The answer to a stream Envoy reset while the picker decided: never sent, nothing to count.
+_GONE = m.immediate_error(errors.service_unavailable("the stream ended while the picker decided"))
 
 
 class PickerStream:
@@ -230,11 +235,16 @@ class PickerStream:
             picker.front.metrics.admission_rejections.labels(reason=rej.reason).inc()
             err = errors.rate_limited(f"picker is at capacity ({rej.reason}); retry later")
             return self._refuse(err, [("retry-after", rej.retry_after_header)])
+        if self.closed:  # Envoy reset the stream while this waited for a slot: nobody to answer
+            admission.release()
+            return _GONE
         self.admitted = True
         try:
             entry, addresses, prefiller = await picker.decide(pending)
         except OpenAIError as err:
             return self._refuse(err)
+        if self.closed:  # reset while deciding: close() released the slot; count nothing in flight
+            return _GONE
         self._start(entry, addresses)
         extra = [("x-request-id", pending.request_id)]
         remove: list[str] = []
