@@ -2,7 +2,8 @@
 
 One run, one backend (``backend_zero.py``, ``--backend-procs`` processes on one port) and every target in turn
 on free 127.0.0.1 ports, each command in its own process group: ``direct`` (wrk to the backend, the floor),
-``kvstack`` and ``kvstack xW`` (``kvstack router``, 1 and W processes), ``vllm-router`` (default and ``rr``
+``kvstack`` and ``kvstack xW`` (``kvstack router`` with its defaults, one worker per usable core, and
+with ``--workers W``, default 1), ``vllm-router`` (default and ``rr``
 policy) and ``sglang-router`` from ``.venvs/peers`` (``peers.py``; installed only when chosen), and
 ``envoy+kvstack-epp`` (``... cN``: Envoy ``--concurrency N`` asking one ``kvstack epp``;
 ``router_overhead_envoy.py``). ``--targets`` runs a subset (direct always runs).
@@ -15,7 +16,7 @@ bounded (``-d``, timeouts, ``--deadline``). Results: tables on stdout, ``bench-r
 logs in ``bench-results/router_overhead/``; what each number means and the current result:
 ``docs/benchmarks/router-overhead.md``.
 
-    .venvs/dev/bin/python benchmarks/router_overhead.py [--quick] [--skip-peers] [--workers 2]
+    .venvs/dev/bin/python benchmarks/router_overhead.py [--quick] [--skip-peers] [--workers 1]
         [--targets kvstack,vllm-router-rr,envoy+kvstack-epp] [--envoy-concurrency 1,2] [--epp-transport T]
 """
 
@@ -135,9 +136,10 @@ PEER_KEYS = ("vllm-router", "vllm-router-rr", "sglang-router")
 def chosen_targets(args: argparse.Namespace, console: Console) -> list[Target]:
     """The targets ``--targets`` names (default: every one the other flags allow), in run order; the peers
     are installed only when one of them is chosen."""
-    makers: dict[str, Callable[[Path], Target]] = {"kvstack": lambda _: kvstack_target(1)}
-    if args.workers > 1:
-        makers[f"kvstack-x{args.workers}"] = lambda _: kvstack_target(args.workers)
+    makers: dict[str, Callable[[Path], Target]] = {
+        "kvstack": lambda _: kvstack_target(None),
+        f"kvstack-x{args.workers}": lambda _: kvstack_target(args.workers),
+    }
     if not args.skip_peers:
         makers["vllm-router"] = lambda peers: vllm_router_target(peers, None)
         makers["vllm-router-rr"] = lambda peers: vllm_router_target(peers, "round_robin")
@@ -177,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "--no-install", action="store_true", help="fail instead of installing wrk or the peers"
     )
     parser.add_argument(
-        "--workers", type=int, default=2, help="processes of the 'kvstack xW' target (1 = none)"
+        "--workers", type=int, default=1, help="--workers of the 'kvstack xW' target ('kvstack': the default)"
     )
     parser.add_argument(
         "--targets",

@@ -1,7 +1,7 @@
 """The routers measured, and what runs against each: its wrk runs, the interleaved rounds, the memory soak.
 
 A `Target` starts its processes against the backend's URL and returns their group and its own URL:
-kvstack router (one process or ``--workers W``), vllm-router (default policy or round-robin) and
+kvstack router (default settings, or ``--workers W``), vllm-router (default policy or round-robin) and
 sglang-router from ``.venvs/peers`` (Envoy with kvstack's picker: ``router_overhead_envoy.py``).
 ``measure_target`` runs the low-load and ``-c 64`` runs on one target;
 ``latency_rounds`` measures every target at the low plain rate in rotating rounds; ``rss_soak`` samples a
@@ -53,20 +53,25 @@ class Target:
         return self.name.replace(" ", "-")
 
 
-def kvstack_target(workers: int) -> Target:
+def kvstack_target(workers: int | None) -> Target:
+    """kvstack router with its defaults (``workers`` None: ``--workers auto``, one per usable core) or
+    ``--workers W``."""
+
     def start(backend: str, logs: Path) -> tuple[Group, str]:
         port = free_port()
         args = ["router", "--port", str(port), "--engine", backend, "--log-level", "warning"]
-        cmds = [[str(KVSTACK), *args, "--workers", str(workers)]]
-        name = "kvstack" if workers == 1 else f"kvstack-x{workers}"
+        cmds = [[str(KVSTACK), *args, *([] if workers is None else ["--workers", str(workers)])]]
+        name = "kvstack" if workers is None else f"kvstack-x{workers}"
         return Group.start(name, cmds, logs / f"{name}.log"), f"http://{HOST}:{port}"
 
-    if workers == 1:
-        return Target("kvstack", start, "kvstack router, default routing preset, 1 process")
+    if workers is None:
+        cores = len(os.sched_getaffinity(0))
+        return Target("kvstack", start, f"kvstack router, default settings (--workers auto: {cores} here)")
     return Target(
         f"kvstack x{workers}",
         start,
-        f"kvstack router, default routing preset, {workers} processes on one port (SO_REUSEPORT)",
+        f"kvstack router, default routing preset, --workers {workers} "
+        + ("(one process)" if workers == 1 else "(processes on one port, SO_REUSEPORT)"),
     )
 
 
@@ -113,7 +118,7 @@ def rss_soak(
     console: Console,
 ) -> dict[str, Any]:
     """A fresh one-process kvstack router under wrk -c 64 until ``requests`` reached it; RSS sampled."""
-    group, url = kvstack_target(1).start(backend_url, logs)
+    group, url = kvstack_target(1).start(backend_url, logs)  # one process: its RSS
     out: dict[str, Any] = {"command": shlex.join(group.cmds[0]), "samples": []}
     wrk_proc: subprocess.Popen[bytes] | None = None
     try:

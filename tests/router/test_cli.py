@@ -1,5 +1,6 @@
 """The `kvstack router` command: argument errors (every numeric option checked, discovery sources that
-cannot be combined), the hold flags, --workers processes sharing one port, and the scrape interval."""
+cannot be combined), the hold flags, --workers processes sharing one port (default: one per usable core;
+1: this process), and the scrape interval."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvstack import cli
+from kvstack.router import workers
 from kvstack.router.hold import HoldPolicy
 from kvstack.router.server import RouterOptions
 from support.engines import EngineProcess, start_sim
@@ -95,7 +97,7 @@ def test_hold_flags_set_how_a_streams_start_is_held(monkeypatch: pytest.MonkeyPa
         raise SystemExit(0)
 
     monkeypatch.setattr("kvstack.router.server.serve_forever", capture)
-    base = ["router", "--port", "0", "--engine", "http://127.0.0.1:9"]
+    base = ["router", "--port", "0", "--engine", "http://127.0.0.1:9", "--workers", "1"]
     for extra in ([], ["--no-hold-until-content", "--hold-bytes", "1024", "--hold-seconds", "2.5"]):
         with pytest.raises(SystemExit):
             cli.main(base + extra)
@@ -114,6 +116,23 @@ def test_discovery_sources_that_cannot_be_combined_are_refused(
     for option, value in (("--k8s-selector", "app=vllm"), ("--k8s-port", "8000")):
         assert cli.main(["router", "--port", "0", "--engine", "http://127.0.0.1:9", option, value]) == 2
         assert "apply only with --k8s-namespace" in capsys.readouterr().err
+
+
+def test_workers_default_to_the_usable_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(workers, "_CGROUP_CPU_MAX", tmp_path / "no-cgroup")
+    monkeypatch.setattr(workers.os, "sched_getaffinity", lambda pid: {0, 2, 5})
+    parse = cli.build_parser().parse_args
+    assert parse(["router", "--engine", "http://127.0.0.1:9"]).workers == 3
+    assert parse(["router", "--engine", "http://127.0.0.1:9", "--workers", "auto"]).workers == 3
+    assert parse(["router", "--engine", "http://127.0.0.1:9", "--workers", "1"]).workers == 1
+
+
+def test_usable_cores_are_the_affinity_capped_by_the_cgroup_quota() -> None:
+    assert workers.usable_cores(8, "max 100000\n") == 8
+    assert workers.usable_cores(8, "200000 100000\n") == 2
+    assert workers.usable_cores(8, "150000 100000") == 2  # 1.5 cores: both are used part of the time
+    assert workers.usable_cores(8, "50000 100000") == 1
+    assert workers.usable_cores(1, "400000 100000") == 1
 
 
 def _children(pid: int) -> list[int]:
@@ -167,6 +186,88 @@ def test_workers_share_the_port_and_stop_together(tmp_path: Path) -> None:
         sim.stop()
 
 
+def _serves(url: str, requests: int) -> None:
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for _ in range(requests):
+        req = urllib.request.Request(
+            f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=30) as r:
+            assert r.status == 200
+
+
+def _until_serving(url: str, proc: subprocess.Popen[bytes], processes: int) -> None:
+    """Until each of the router's ``processes`` workers has said its engines are routable (the kernel gives
+    each new connection to either; one that has not read its engine's models yet answers 503)."""
+    deadline = time.monotonic() + 30
+    ready: set[int] = set()
+    while len(ready) < processes:
+        try:
+            with urllib.request.urlopen(f"{url}/engines", timeout=2) as r:
+                body = json.loads(r.read())
+            if all(e["routable"] for e in body["engines"]):
+                ready.add(body.get("worker", {"index": 0})["index"])
+        except OSError:
+            pass
+        assert proc.poll() is None and time.monotonic() < deadline, f"workers {ready} of {processes} ready"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(workers.usable_cores() < 2, reason="needs 2 usable cores")
+def test_a_default_router_runs_a_worker_per_core_and_workers_1_runs_one(tmp_path: Path) -> None:
+    sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
+    try:
+        for extra, processes in (([], workers.usable_cores()), (["--workers", "1"], 1)):
+            port = free_port()
+            log = tmp_path / f"router-{port}.log"
+            router = spawn(
+                [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
+                 "--log-level", "warning", *extra], log,
+            )  # fmt: skip
+            try:
+                url = f"http://127.0.0.1:{port}"
+                _until_serving(url, router, processes)
+                # N workers: a supervisor and N children; one: this process serves, no children.
+                assert len(_children(router.pid)) == (processes if processes > 1 else 0)
+                with urllib.request.urlopen(f"{url}/engines", timeout=5) as r:
+                    worker = json.loads(r.read()).get("worker")
+                assert (worker or {"count": 1})["count"] == processes
+                _serves(url, 10)
+                # One banner per router, whatever its workers.
+                assert log.read_text().count("kvstack router: http://") == 1
+            finally:
+                stop_group(router)
+    finally:
+        sim.stop()
+
+
+@pytest.mark.slow
+def test_workers_pick_one_free_port_for_port_0(tmp_path: Path) -> None:
+    sim: EngineProcess = start_sim(tmp_path / "sim", extra_args=["--time-scale", "50"])
+    log = tmp_path / "router.log"
+    router = spawn(
+        [sys.executable, "-m", "kvstack.cli", "router", "--port", "0", "--engine", sim.url, "--workers", "2",
+         "--log-level", "warning"], log,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while "kvstack router: http://" not in log.read_text():
+            assert router.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        url = log.read_text().split("kvstack router: ", 1)[1].split("/v1", 1)[0]
+        seen: set[int] = set()
+        while seen != {0, 1}:  # both workers answer on the one port the banner names
+            with urllib.request.urlopen(f"{url}/engines", timeout=2) as r:
+                seen.add(json.loads(r.read())["worker"]["index"])
+            assert time.monotonic() < deadline, f"workers {seen} of 2 answered"
+        _until_serving(url, router, 2)
+        _serves(url, 4)
+    finally:
+        stop_group(router)
+        sim.stop()
+
+
 def _metric_ages(url: str, polls: int, every: float) -> list[float]:
     """The age of the engine's metric reading in /engines, polled ``polls`` times."""
     ages = []
@@ -188,7 +289,8 @@ def test_scrape_interval_sets_how_fresh_engine_metrics_are(tmp_path: Path) -> No
             port = free_port()
             routers[interval] = (port, spawn(
                 [sys.executable, "-m", "kvstack.cli", "router", "--port", str(port), "--engine", sim.url,
-                 "--scrape-interval", interval, "--scrape-timeout", "2", "--log-level", "warning"],
+                 "--scrape-interval", interval, "--scrape-timeout", "2", "--log-level", "warning",
+                 "--workers", "1"],  # one process: each worker scrapes on its own clock
             ))  # fmt: skip
         for port, _ in routers.values():
             deadline = time.monotonic() + 30

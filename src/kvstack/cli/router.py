@@ -1,7 +1,8 @@
 """``kvstack router``: the OpenAI-compatible router, built from flags (kvstack.router.server serves it).
 
-``--workers N`` (N > 1) runs N copies of this command on one port (SO_REUSEPORT) and stops them together;
-kvstack.router.workers is how they share state.
+``--workers`` (default ``auto``: one per usable core, ``kvstack.router.workers.usable_cores``) above 1 runs
+that many copies of this command on one port (SO_REUSEPORT) and stops them together; kvstack.router.workers
+is how they share state. ``--workers 1`` serves in this process.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from kvstack.cli.front_end import int_in, positive
 from kvstack.cli.signals import serve_until_signal
 
 
+def worker_count(text: str) -> int:
+    """An argparse type: ``auto`` (one worker per usable core) or a count >= 1."""
+    if text == "auto":
+        from kvstack.router.workers import usable_cores
+
+        return usable_cores()
+    return int_in(1)(text)
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "router", help="run the OpenAI-compatible router", description="Run the kvstack router."
@@ -27,10 +37,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--port", type=int_in(0, 65535), default=8080, help="0 = a free port")
     p.add_argument(
         "--workers",
-        type=int_in(1),
-        default=1,
-        help="router processes sharing the port (SO_REUSEPORT); they share admin changes, circuit "
-        "breaker trips, in-flight counts and /metrics; admission limits are divided between them",
+        type=worker_count,
+        default="auto",
+        help="router processes sharing the port (SO_REUSEPORT); auto (default) = one per usable core "
+        "(CPU affinity, capped by a cgroup CPU limit); 1 = this process only. They share admin changes, "
+        "circuit breaker trips, in-flight counts and /metrics; admission limits are divided between them",
     )
     p.add_argument("--reuse-port", action="store_true", help=argparse.SUPPRESS)
     front_end.add_engine_arguments(p)
@@ -113,16 +124,17 @@ def run(args: argparse.Namespace, argv: list[str]) -> int:
         reuse_port=args.reuse_port or args.workers > 1,
     )
     if args.workers > 1:
-        return _supervise(argv, args.workers)
+        return _supervise(argv, args.workers, args.host, args.port)
     from kvstack.router.workers import WorkerGroupConfig
 
     opts.group = WorkerGroupConfig.from_env()
     return serve_until_signal(serve_forever(opts))
 
 
-def _supervise(argv: list[str], workers: int) -> int:
+def _supervise(argv: list[str], workers: int, host: str, port: int) -> int:
     """Run ``workers`` router processes on one port and stop them together (kvstack.router.workers)."""
     import shutil
+    import socket
     import tempfile
 
     from kvstack.router import workers as group
@@ -143,8 +155,17 @@ def _supervise(argv: list[str], workers: int) -> int:
         stopping.append(signum)
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
-    # Each worker is this command again with one worker; the last --workers/--reuse-port wins.
+    # Port 0: the supervisor picks the free port and holds it (bound, not listening: it takes no connections).
+    reserved = None
+    if port == 0:
+        reserved = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind((host, 0))
+        port = reserved.getsockname()[1]
+    # Each worker is this command again with one worker; the last --workers/--reuse-port/--port wins.
     command = [sys.executable, "-m", "kvstack.cli", *argv, "--workers", "1", "--reuse-port"]
+    command += ["--port", str(port)]
     children = [subprocess.Popen(command, env={**env, group.ENV_INDEX: str(i)}) for i in range(workers)]
     code = 0
     try:
@@ -167,4 +188,6 @@ def _supervise(argv: list[str], workers: int) -> int:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
         shutil.rmtree(directory, ignore_errors=True)
+        if reserved is not None:
+            reserved.close()
     return code

@@ -176,8 +176,11 @@ async def serve_forever(opts: RouterOptions) -> None:
     async with running_router(opts) as router:
         settle_garbage_collector()
         log.info("router listening on %s", router.url)
-        print(
-            f"kvstack router: {router.url}/v1 ({len(opts.engines)} engine(s), routing {opts.routing!r})",
-            flush=True,
-        )
+        if opts.group is None or opts.group.index == 0:  # one banner per router, not per worker
+            workers = "" if opts.group is None else f", {opts.group.count} workers"
+            print(
+                f"kvstack router: {router.url}/v1 ({len(opts.engines)} engine(s), routing {opts.routing!r}"
+                f"{workers})",
+                flush=True,
+            )
         await asyncio.Event().wait()

@@ -12,7 +12,7 @@ Each worker runs the whole router; the kernel spreads client connections over th
 - Admission limits are divided between the workers (rounded up); every worker subscribes to the KV events
   itself (same index), the routing history is per worker.
 The supervisor creates the directory, starts the workers, stops them all when stopped or when one dies,
-and deletes the directory.
+and deletes the directory. ``usable_cores`` is how many workers ``--workers auto`` (the default) runs.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import mmap
 import os
 import struct
@@ -39,7 +40,7 @@ from kvstack.openai.http import json_response
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SharedInFlight", "WorkerGroup", "WorkerGroupConfig"]
+__all__ = ["SharedInFlight", "WorkerGroup", "WorkerGroupConfig", "usable_cores"]
 
 ENV_DIR = "KVSTACK_WORKER_DIR"
 ENV_INDEX = "KVSTACK_WORKER_INDEX"
@@ -48,6 +49,22 @@ METRICS_SUBDIR = "metrics"
 _SLOTS = 65_536
 _CELL = struct.Struct("=i")
 _SIBLING_STARTING = Backoff(0.05, 0.5)  # waits for a sibling whose control socket is not there yet
+_CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def usable_cores(affinity: int | None = None, cpu_max: str | None = None) -> int:
+    """The cores this process may run on: its CPU affinity, capped by a cgroup v2 CPU quota (a container's
+    CPU limit, ``cpu.max`` = "quota period" or "max period") rounded up; at least 1."""
+    cores = len(os.sched_getaffinity(0)) if affinity is None else affinity
+    if cpu_max is None:
+        try:
+            cpu_max = _CGROUP_CPU_MAX.read_text()
+        except OSError:
+            cpu_max = "max"
+    quota, _, period = cpu_max.partition(" ")
+    if quota.strip() not in ("", "max") and period.strip():
+        cores = min(cores, math.ceil(int(quota) / int(period)))
+    return max(1, cores)
 
 
 @dataclass(frozen=True, slots=True)
