@@ -47,7 +47,7 @@ def test_engine_catalog_specs() -> None:
             "vllm==abc",
             r"engine 'vllm==abc': cannot read engine version 'abc'.*expected TYPE or TYPE==VERSION",
         ),
-        ("foo", r"unknown engine type 'foo'; known engine types: vllm, sglang, trtllm, triton"),
+        ("foo", r"unknown engine type 'foo'; known engine types: sglang, triton, trtllm, vllm"),
         (
             "vllm>=1",
             r"cannot read engine 'vllm>=1': expected TYPE or TYPE==VERSION, e.g. vllm==0.32, with TYPE",

@@ -26,7 +26,7 @@ def test_names_for_picks_by_type_and_version() -> None:
 
 def test_names_for_errors_name_what_is_known() -> None:
     with pytest.raises(
-        ValueError, match=r"unknown engine type 'tgi'; known engine types: vllm, sglang, trtllm"
+        ValueError, match=r"unknown engine type 'tgi'; known engine types: sglang, triton, trtllm, vllm"
     ):
         names_for("tgi")
     with pytest.raises(ValueError, match="cannot read engine version 'abc'"):

@@ -27,7 +27,7 @@ from support.end_to_end import MODEL, completion
 from support.engines import EngineProcess, fresh_prompt, start_sim
 from support.fake_k8s import FakeKubeApi, make_pod
 from support.metrics import sample_sum
-from support.trickle import Trickle
+from support.trickle import Trickle, healthy_at
 from support.waiting import eventually
 
 BLOCK = 16
@@ -39,20 +39,6 @@ def sent_to(router: RunningRouter, url: str, since: float) -> float | None:
     entry = router.app.registry.get(url)
     times = [] if entry is None else [t for t in entry.state.recent_requests if t >= since]
     return min(times) if times else None
-
-
-async def healthy_at(http: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> float:
-    """Poll ``url``/health every 10 ms; the monotonic time it first answers 200."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                if r.status == 200:
-                    return time.monotonic()
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
 
 
 def ids_completion(tokens: list[int], model: str = "tiny") -> dict[str, object]:

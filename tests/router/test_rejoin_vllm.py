@@ -19,7 +19,7 @@ from kvstack.engines.state import Endpoint
 from kvstack.router.server import RouterOptions, RunningRouter, start_router
 from support.engines import EngineProcess, require_vllm, start_vllm
 from support.metrics import sample_sum
-from support.trickle import Trickle
+from support.trickle import Trickle, healthy_at
 from support.waiting import eventually
 
 # Three vLLM starts (two engines, one restart): 40 s to several minutes each on a busy 2-core machine (a
@@ -49,19 +49,6 @@ def sent_to(router: RunningRouter, url: str, since: float) -> float | None:
     entry = router.app.registry.get(url)
     times = [] if entry is None else [t for t in entry.state.recent_requests if t >= since]
     return min(times) if times else None
-
-
-async def healthy_at(http: aiohttp.ClientSession, url: str, timeout_s: float) -> float:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
-                if r.status == 200:
-                    return time.monotonic()
-        except (aiohttp.ClientError, TimeoutError):
-            pass
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"{url} not healthy after {timeout_s} s")
 
 
 async def complete(http: aiohttp.ClientSession, url: str, prompt: str) -> tuple[int, str]:

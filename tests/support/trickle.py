@@ -1,5 +1,6 @@
 """A steady trickle of requests through a front end, recording which engine answered each and when, for
-tests of engines leaving, restarting and joining under load."""
+tests of engines leaving, restarting and joining under load; ``healthy_at``: when an engine first answers
+/health."""
 
 from __future__ import annotations
 
@@ -68,3 +69,17 @@ class Trickle:
             except aiohttp.ClientError:
                 self.sent.append(Sent(started, 0, ""))
             await asyncio.sleep(max(0.0, self.every_s - (time.monotonic() - started)))
+
+
+async def healthy_at(http: aiohttp.ClientSession, url: str, timeout_s: float = 60.0) -> float:
+    """Poll ``url``/health every 10 ms; the monotonic time it first answers 200."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            async with http.get(f"{url}/health", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                if r.status == 200:
+                    return time.monotonic()
+        except (aiohttp.ClientError, TimeoutError):
+            pass
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{url} not healthy after {timeout_s} s")

@@ -19,7 +19,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvstack.engines.names import EngineNames, Kind, names_for, parse_version
+from kvstack.engines.names import (
+    EngineNames,
+    Kind,
+    covering,
+    describe_versions,
+    in_versions,
+    names_for,
+    parse_version,
+)
 
 __all__ = [
     "CATALOGS",
@@ -97,8 +105,7 @@ class MetricCatalog:
 
     @property
     def versions(self) -> str:
-        parts = [f">= {self.since}" if self.since else "", f"< {self.until}" if self.until else ""]
-        return ", ".join(p for p in parts if p) or "all versions"
+        return describe_versions(self.since, self.until)
 
     def sources(self) -> dict[str, MetricSource]:
         """Signal name → source, for the signals this engine type exports."""
@@ -112,10 +119,7 @@ class MetricCatalog:
         return self.expected_names() | {a.name for src in self.sources().values() for a in src.aliases}
 
     def covers(self, version: str) -> bool:
-        v = parse_version(version)
-        return (self.since is None or v >= parse_version(self.since)) and (
-            self.until is None or v < parse_version(self.until)
-        )
+        return in_versions(version, self.since, self.until)
 
 
 def _source(table: EngineNames, name: str, label: str | None = None) -> MetricSource:
@@ -175,14 +179,4 @@ CATALOGS: tuple[MetricCatalog, ...] = (
 
 def catalog_for(engine_type: str, version: str | None = None) -> MetricCatalog:
     """The catalog of ``engine_type`` covering ``version`` (the newest when None)."""
-    candidates = [c for c in CATALOGS if c.engine_type == engine_type]
-    if not candidates:
-        known = ", ".join(sorted({c.engine_type for c in CATALOGS}))
-        raise ValueError(f"unknown engine type {engine_type!r}; known engine types: {known}")
-    if version is None:
-        return candidates[0]
-    for catalog in candidates:
-        if catalog.covers(version):
-            return catalog
-    ranges = "; ".join(c.versions for c in candidates)
-    raise ValueError(f"no {engine_type} metric catalog covers version {version} (catalogs: {ranges})")
+    return covering(CATALOGS, engine_type, version, "metric catalog")

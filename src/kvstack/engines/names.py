@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 __all__ = ["ENGINE_NAMES", "EngineNames", "Kind", "MetricName", "Retired", "names_for", "parse_version"]
 
@@ -71,14 +72,49 @@ class EngineNames:
 
     @property
     def versions(self) -> str:
-        parts = [f">= {self.since}" if self.since else "", f"< {self.until}" if self.until else ""]
-        return ", ".join(p for p in parts if p) or "all versions"
+        return describe_versions(self.since, self.until)
 
     def covers(self, version: str) -> bool:
-        v = parse_version(version)
-        return (self.since is None or v >= parse_version(self.since)) and (
-            self.until is None or v < parse_version(self.until)
-        )
+        return in_versions(version, self.since, self.until)
+
+
+class Ranged(Protocol):
+    """A table for one engine type and versions ``[since, until)``: a name table or a signal catalog."""
+
+    @property
+    def engine_type(self) -> str: ...
+    @property
+    def versions(self) -> str: ...
+    def covers(self, version: str) -> bool: ...
+
+
+R = TypeVar("R", bound=Ranged)
+
+
+def describe_versions(since: str | None, until: str | None) -> str:
+    parts = [f">= {since}" if since else "", f"< {until}" if until else ""]
+    return ", ".join(p for p in parts if p) or "all versions"
+
+
+def in_versions(version: str, since: str | None, until: str | None) -> bool:
+    v = parse_version(version)
+    return (since is None or v >= parse_version(since)) and (until is None or v < parse_version(until))
+
+
+def covering(tables: Sequence[R], engine_type: str, version: str | None, what: str) -> R:
+    """The first of ``tables`` (newest first within a type) of ``engine_type`` covering ``version`` (the
+    newest when None); ValueError naming the known types, or the ranges of ``what`` there are."""
+    known = sorted({t.engine_type for t in tables})
+    candidates = [t for t in tables if t.engine_type == engine_type]
+    if not candidates:
+        raise ValueError(f"unknown engine type {engine_type!r}; known engine types: {', '.join(known)}")
+    if version is None:
+        return candidates[0]
+    for table in candidates:
+        if table.covers(version):
+            return table
+    ranges = "; ".join(t.versions for t in candidates)
+    raise ValueError(f"no {engine_type} {what} covers version {version} ({what}s: {ranges})")
 
 
 _VERSION = re.compile(r"\s*v?(\d+(?:\.\d+)*)")
@@ -931,14 +967,4 @@ ENGINE_NAMES: tuple[EngineNames, ...] = (  # newest first within a type
 def names_for(engine_type: str, version: str | None = None) -> EngineNames:
     """The table of ``engine_type`` covering ``version`` (the newest when None); ValueError naming the known
     types and version ranges otherwise."""
-    tables = [t for t in ENGINE_NAMES if t.engine_type == engine_type]
-    if not tables:
-        known = ", ".join(dict.fromkeys(t.engine_type for t in ENGINE_NAMES))
-        raise ValueError(f"unknown engine type {engine_type!r}; known engine types: {known}")
-    if version is None:
-        return tables[0]
-    for table in tables:
-        if table.covers(version):
-            return table
-    ranges = "; ".join(t.versions for t in tables)
-    raise ValueError(f"no {engine_type} name table covers version {version} (tables: {ranges})")
+    return covering(ENGINE_NAMES, engine_type, version, "name table")
