@@ -242,7 +242,7 @@ async def test_a_non_streaming_answer_cut_short_is_retried(
             await wait_models(held.router, 1)
             client = held.client()
             raw = await client.chat.completions.with_raw_response.create(
-                model=MODEL, messages=CHAT, max_tokens=3
+                model=MODEL, messages=CHAT, max_tokens=3, extra_body={"ignore_eos": True}
             )
             await client.close()
             assert raw.headers["x-kvstack-engine"] == sims[0].url
