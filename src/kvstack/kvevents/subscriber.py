@@ -1,22 +1,16 @@
 """Following a publisher's KV events: one ZMQ SUB per event source, sequence tracking, replay, resync.
 
-Sources: configured, else the engine's ``GET /kv_event_sources`` (`resolve_sources`: wildcard hosts become
-the engine's, each data-parallel rank is a source), asked again with ``resolve_backoff`` until it names one.
-The sink hears, per engine, ``apply(engine, batch)`` for every batch in seq order, each once, and
-``reset(engine, reason)`` when its view can no longer be trusted: a gap replay cannot fill (``gap``), seq
-going back (``restart``), a connection down past ``disconnect_grace`` (``disconnected``), a batch the sink
-rejected. Nothing once ``close``/``stop`` returns.
-
-Sequence rules (`SequenceTracker`, pure, per source): the next seq is applied; one beyond it is a gap,
-filled by replay (vLLM's DEALER/ROUTER protocol) up to the live batch; one at or just below the last
-(within ``duplicate_window``) is a duplicate; back to 0, further back, or after a drop is a restart. When a
-source with a replay service connects and nothing of it is known (just started, or its entries dropped),
-everything the publisher still buffers is replayed at once (``catch_up``), so a restarted router knows the
-engine's cache before its next event; without one, a source's first batch replays from 0 and resets
-nothing. ZMQ reconnects by itself (at least once a second: a restarted engine's stream resumes before it
-serves); a short drop keeps the state. A malformed message, one over
-``max_message_bytes`` or over ``max_blocks_per_batch`` blocks is counted and skipped, an unknown event type
-counted; nothing a peer sends stops the subscriber.
+Sources: configured, else the engine's ``GET /kv_event_sources`` (`resolve_sources`; each data-parallel rank
+a source), asked again with ``resolve_backoff`` until it names one. The sink hears, per engine,
+``apply(engine, batch)`` for every batch in seq order, each once, and ``reset(engine, reason)`` when its view
+can no longer be trusted: a gap replay cannot fill (``gap``), a new publisher (``restart``), a connection
+down past ``disconnect_grace`` (``disconnected``), a batch the sink rejected; nothing once ``close``/``stop``
+returns. Sequence rules: `SequenceTracker`. A source with a replay service (vLLM's DEALER/ROUTER protocol)
+that connects with nothing of it known catches up with all its publisher buffers; without one, its first
+batch resets nothing. ZMQ reconnects by itself, at least once a second; past the grace period the task that
+reads the socket replaces it (libzmq aborts on a socket reconnected in place with a message half read).
+Malformed messages, ones over ``max_message_bytes`` or ``max_blocks_per_batch`` blocks are counted and
+skipped, unknown event types counted: nothing a peer sends stops the subscriber.
 """
 
 from __future__ import annotations
@@ -24,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import itertools
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -215,8 +211,9 @@ class SeqVerdict(enum.Enum):
 class SequenceTracker:
     """Per-source sequence state. Pure: the subscriber asks, acts, then records what it applied.
 
-    A seq up to ``duplicate_window - 1`` below the last received one (not 0, not after a dropped
-    connection) is a duplicate; further back is a restart.
+    The next seq is applied; one beyond it is a gap, filled by replay up to the live batch. A seq up to
+    ``duplicate_window - 1`` below the last received one (not 0, not after a dropped connection) is a
+    duplicate; one further back, back to 0, or back at all after a drop is a restart.
     """
 
     __slots__ = ("applied", "duplicate_window", "interrupted", "received")
@@ -401,7 +398,7 @@ class KVEventSubscriber:
                 log.info("engine %s: publishes no KV events (yet); asking again later", self.engine)
             await asyncio.sleep(delays.next())
 
-    async def _follow(self, source: EventSource) -> None:
+    def _open_link(self, source: EventSource) -> _SubscriberLink:
         sub = self.context.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, self.rcv_hwm)
@@ -409,23 +406,31 @@ class KVEventSubscriber:
         sub.setsockopt(zmq.RECONNECT_IVL_MAX, self.reconnect_ivl_max_ms)
         sub.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, source.topic.encode())
-        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        # A name of its own: pyzmq's default is made of the socket's FD, which a replaced socket may reuse
+        # before ZMQ has released the old monitor's.
+        monitor = sub.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED, f"inproc://kv-events-monitor-{next(_MONITOR_IDS)}"
+        )
         sub.connect(source.endpoint)
-        tracker = SequenceTracker(self.duplicate_window)
         poller = zmq.asyncio.Poller()
         poller.register(sub, zmq.POLLIN)
         poller.register(monitor, zmq.POLLIN)
-        lost: asyncio.TimerHandle | None = None  # the reset pending while the connection is down
+        return _SubscriberLink(sub, monitor, poller)
+
+    async def _follow(self, source: EventSource) -> None:
+        tracker = SequenceTracker(self.duplicate_window)
+        loop = asyncio.get_running_loop()
+        link = self._open_link(source)
+        lost_at: float | None = None  # loop time the grace period ends while the connection is down
         try:
             while True:
-                ready = dict(await poller.poll())
+                wait_ms = None if lost_at is None else max(0, math.ceil((lost_at - loop.time()) * 1000))
+                ready = dict(await link.poller.poll(wait_ms))
                 # All pending monitor events first: a batch is judged after the drop that preceded it.
-                while monitor in ready and _readable(monitor):
-                    event = _monitor_event(await monitor.recv_multipart())
+                while link.monitor in ready and _readable(link.monitor):
+                    event = _monitor_event(await link.monitor.recv_multipart())
                     if event == zmq.EVENT_CONNECTED:
-                        if lost is not None:
-                            lost.cancel()
-                            lost = None
+                        lost_at = None
                         self.connected = True
                         self.observer.kv_connected(self.engine, True)
                         if tracker.applied is None and source.replay_endpoint is not None:
@@ -434,25 +439,23 @@ class KVEventSubscriber:
                         self.connected = False
                         self.observer.kv_connected(self.engine, False)
                         tracker.disconnected()
-                        if lost is not None:
-                            lost.cancel()
-                        lost = asyncio.get_running_loop().call_later(
-                            self.disconnect_grace, self._connection_lost, source, tracker, sub
-                        )
-                if sub in ready:
-                    frames = await sub.recv_multipart()
+                        lost_at = loop.time() + self.disconnect_grace
+                if lost_at is not None and loop.time() >= lost_at:
+                    self._connection_lost(source, tracker)
+                    # A fresh socket, here between two messages, never a disconnect of this one: libzmq
+                    # aborts when a socket's pipe goes while a message it began to read (a poll prefetches
+                    # one) is unread. It also recovers from a protocol error (a message over MAXMSGSIZE),
+                    # after which ZMQ does not reconnect by itself.
+                    link.close()
+                    link = self._open_link(source)
+                    lost_at = None
+                elif link.sub in ready:
+                    frames = await link.sub.recv_multipart()
                     await self._on_message(source, tracker, frames)
         finally:
-            if lost is not None:
-                lost.cancel()
-            with contextlib.suppress(zmq.ZMQError):
-                sub.disable_monitor()
-            monitor.close(linger=0)
-            sub.close(linger=0)
+            link.close()
 
-    def _connection_lost(
-        self, source: EventSource, tracker: SequenceTracker, sub: zmq.asyncio.Socket
-    ) -> None:
+    def _connection_lost(self, source: EventSource, tracker: SequenceTracker) -> None:
         """The connection stayed down past the grace period: the engine may be gone or restarting empty."""
         log.info(
             "engine %s: KV events from %s lost for over %.1fs; dropping its entries",
@@ -462,11 +465,6 @@ class KVEventSubscriber:
         )
         tracker.forget()
         self._reset("disconnected")
-        # ZMQ does not reconnect after a protocol error (a message over MAXMSGSIZE): connect afresh. After
-        # an ordinary drop this only restarts ZMQ's own reconnect attempts.
-        with contextlib.suppress(zmq.ZMQError):
-            sub.disconnect(source.endpoint)
-        sub.connect(source.endpoint)
 
     async def _on_message(self, source: EventSource, tracker: SequenceTracker, frames: list[bytes]) -> None:
         if len(frames) != 3:
@@ -643,6 +641,25 @@ class KVEventSubscriber:
 
 
 _MAX_UNKNOWN_TYPES_LOGGED = 64  # a peer inventing type names must not grow the set without bound
+
+
+_MONITOR_IDS = itertools.count()
+
+
+@dataclass(slots=True)
+class _SubscriberLink:
+    """A SUB socket to one source with its connection monitor, replaced whole and never disconnected in
+    place; only the task that reads it touches it."""
+
+    sub: zmq.asyncio.Socket
+    monitor: zmq.asyncio.Socket
+    poller: zmq.asyncio.Poller
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sub.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sub.close(linger=0)
 
 
 def _contiguous_run(batches: list[tuple[int, EventBatch]], end: int) -> list[tuple[int, EventBatch]]:
