@@ -100,6 +100,7 @@ class ScriptedPublisher:
             self.router.setsockopt(zmq.LINGER, 0)
             self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
         self.buffer: dict[int, bytes] = {}
+        self.replays_served = 0  # replay requests answered
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -113,6 +114,20 @@ class ScriptedPublisher:
         assert message[:1] == b"\x01"
         if self.router is not None and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._serve())
+
+    async def rebind(self) -> None:
+        """The PUB socket goes away and comes back on the same port: a network blip (the replay service
+        stays)."""
+        self.pub.close(linger=0)
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        async with asyncio.timeout(TIMEOUT):
+            while True:
+                try:
+                    self.pub.bind(f"tcp://127.0.0.1:{self.port}")
+                    return
+                except zmq.ZMQError:  # ZMQ's I/O thread has not closed the old listener yet
+                    await asyncio.sleep(0.01)
 
     async def send(self, seq: int, batch: EventBatch | None = None, *, buffered: bool = True) -> None:
         payload = encode_batch(batch if batch is not None else stored_batch(seq))
@@ -131,6 +146,7 @@ class ScriptedPublisher:
             for seq in sorted(s for s in self.buffer if s >= first):
                 await self.router.send_multipart([identity, b"", b"", encode_seq(seq), self.buffer[seq]])
             await self.router.send_multipart([identity, b"", b"", REPLAY_END_SEQ_BYTES, b""])
+            self.replays_served += 1
 
     async def close(self) -> None:
         if self._task is not None:

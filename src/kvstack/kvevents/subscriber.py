@@ -6,9 +6,11 @@ a source), asked again with ``resolve_backoff`` until it names one. The sink hea
 can no longer be trusted: a gap replay cannot fill (``gap``), a new publisher (``restart``), a connection
 down past ``disconnect_grace`` (``disconnected``), a batch the sink rejected; nothing once ``close``/``stop``
 returns. Sequence rules: `SequenceTracker`. A source with a replay service (vLLM's DEALER/ROUTER protocol)
-that connects with nothing of it known catches up with all its publisher buffers; without one, its first
-batch resets nothing. ZMQ reconnects by itself, at least once a second; past the grace period the task that
-reads the socket replaces it (libzmq aborts on a socket reconnected in place with a message half read).
+that connects with nothing of it known catches up with all its publisher buffers; one back within the grace
+period asks at once for what follows the last applied seq: nothing means a new publisher (reset, then catch
+up), a run is what was missed. Without one, a first batch resets nothing. ZMQ reconnects by itself, at least
+once a second; past the grace period the task that reads the socket replaces it (libzmq aborts on a socket
+reconnected in place with a message half read).
 Malformed messages, ones over ``max_message_bytes`` or ``max_blocks_per_batch`` blocks are counted and
 skipped, unknown event types counted: nothing a peer sends stops the subscriber.
 """
@@ -426,15 +428,18 @@ class KVEventSubscriber:
             while True:
                 wait_ms = None if lost_at is None else max(0, math.ceil((lost_at - loop.time()) * 1000))
                 ready = dict(await link.poller.poll(wait_ms))
+                afresh = False  # the view was reset: unread messages of this link are stale
                 # All pending monitor events first: a batch is judged after the drop that preceded it.
-                while link.monitor in ready and _readable(link.monitor):
+                while link.monitor in ready and _readable(link.monitor) and not afresh:
                     event = _monitor_event(await link.monitor.recv_multipart())
                     if event == zmq.EVENT_CONNECTED:
-                        lost_at = None
+                        back_within_grace, lost_at = lost_at is not None, None
                         self.connected = True
                         self.observer.kv_connected(self.engine, True)
-                        if tracker.applied is None and source.replay_endpoint is not None:
+                        if source.replay_endpoint is not None and tracker.applied is None:
                             await self._catch_up(source, tracker)
+                        elif source.replay_endpoint is not None and back_within_grace:
+                            afresh = not await self._reconnected(source, tracker)
                     elif event == zmq.EVENT_DISCONNECTED:
                         self.connected = False
                         self.observer.kv_connected(self.engine, False)
@@ -442,10 +447,12 @@ class KVEventSubscriber:
                         lost_at = loop.time() + self.disconnect_grace
                 if lost_at is not None and loop.time() >= lost_at:
                     self._connection_lost(source, tracker)
+                    afresh = True
+                if afresh:
                     # A fresh socket, here between two messages, never a disconnect of this one: libzmq
                     # aborts when a socket's pipe goes while a message it began to read (a poll prefetches
                     # one) is unread. It also recovers from a protocol error (a message over MAXMSGSIZE),
-                    # after which ZMQ does not reconnect by itself.
+                    # after which ZMQ does not reconnect by itself; its first connection catches up.
                     link.close()
                     link = self._open_link(source)
                     lost_at = None
@@ -542,67 +549,108 @@ class KVEventSubscriber:
         Only a contiguous run ending at ``seq - 1`` is applied, all or nothing. For a gap it must also
         begin at ``start``; for a fresh source it begins wherever the publisher's buffer does.
         """
+        batches = await self._ask_replay(source, start, end_seq=seq)
+        if batches is None:
+            return False
+        run = _contiguous_run(batches, seq)
+        leads_up = bool(run) and run[-1][0] == seq - 1
+        from_start = bool(run) and run[0][0] == start
+        self.observer.kv_replay(self.engine, "ok" if leads_up and from_start else "incomplete")
+        if not leads_up or (verdict is SeqVerdict.GAP and not from_start):
+            return False
+        return self._apply_run(tracker, run)
+
+    async def _catch_up(self, source: EventSource, tracker: SequenceTracker) -> None:
+        """Apply everything the publisher buffers (a contiguous run), before any live batch."""
+        batches = await self._ask_replay(source, 0, what="catch-up", level=logging.INFO)
+        if batches is None:
+            return
+        run = _contiguous_run(batches[-_last_run_start(batches) :], end=2**63)
+        if run:
+            self._apply_run(tracker, run, result="catch_up")
+
+    async def _reconnected(self, source: EventSource, tracker: SequenceTracker) -> bool:
+        """Back within the grace period: asks the replay service at once, not at the next batch, for what
+        follows the last applied seq. Nothing (its buffer ends before it, or is empty): a new publisher.
+        A run from that seq or the next: the batches missed, applied. False when the view was reset."""
+        assert tracker.applied is not None
+        applied = tracker.applied
+        batches = await self._ask_replay(source, applied, what="reconnect check", level=logging.INFO)
+        if batches is None:  # the next batch decides, as without a replay service
+            return True
+        if not batches:
+            log.info(
+                "engine %s: KV event publisher %s restarted while disconnected", self.engine, source.endpoint
+            )
+            self._reset("restart")
+            tracker.forget()
+            return False
+        if batches[0][0] > applied + 1:
+            self.observer.kv_gap(self.engine, batches[0][0] - applied - 1)
+            self.observer.kv_replay(self.engine, "incomplete")
+            log.info(
+                "engine %s: KV events %d..%d missed while disconnected",
+                self.engine,
+                applied + 1,
+                batches[0][0] - 1,
+            )
+            self._reset("gap")
+            tracker.forget()
+            return False
+        missed = [item for item in _contiguous_run(batches, end=2**63) if item[0] > applied]
+        if missed:
+            self.observer.kv_gap(self.engine, len(missed))
+            self._apply_run(tracker, missed, result="ok")
+        return True
+
+    async def _ask_replay(
+        self,
+        source: EventSource,
+        start: int,
+        *,
+        end_seq: int | None = None,
+        what: str = "replay",
+        level: int = logging.WARNING,
+    ) -> list[tuple[int, EventBatch]] | None:
+        """The batches the publisher buffers from ``start`` (below ``end_seq``); None when asking failed."""
         assert source.replay_endpoint is not None
         try:
             result = await replay(
                 self.context,
                 source.replay_endpoint,
                 start,
-                end_seq=seq,
+                end_seq=end_seq,
                 timeout=self.replay_timeout,
                 max_message_bytes=self.max_message_bytes,
                 on_unknown=self._unknown_event,
             )
         except (TimeoutError, zmq.ZMQError) as exc:
             self.observer.kv_replay(self.engine, "failed")
-            log.warning(
-                "engine %s: KV event replay from %s failed: %s", self.engine, source.replay_endpoint, exc
-            )
-            return False
-        for _ in range(result.decode_errors):
-            self.observer.kv_decode_error(self.engine)
-        run = _contiguous_run(result.batches, seq)
-        leads_up = bool(run) and run[-1][0] == seq - 1
-        from_start = bool(run) and run[0][0] == start
-        self.observer.kv_replay(self.engine, "ok" if leads_up and from_start else "incomplete")
-        if not leads_up or (verdict is SeqVerdict.GAP and not from_start):
-            return False
-        if any(_block_count(replayed) > self.max_blocks_per_batch for _, replayed in run):
-            self.observer.kv_decode_error(self.engine)
-            return False
-        for replayed_seq, replayed in run:
-            self._apply(tracker, replayed_seq, replayed)
-        return True
-
-    async def _catch_up(self, source: EventSource, tracker: SequenceTracker) -> None:
-        """Apply everything the publisher buffers (a contiguous run), before any live batch."""
-        assert source.replay_endpoint is not None
-        try:
-            result = await replay(
-                self.context,
+            log.log(
+                level,
+                "engine %s: KV event %s from %s failed: %s",
+                self.engine,
+                what,
                 source.replay_endpoint,
-                0,
-                timeout=self.replay_timeout,
-                max_message_bytes=self.max_message_bytes,
-                on_unknown=self._unknown_event,
+                exc,
             )
-        except (TimeoutError, zmq.ZMQError) as exc:
-            self.observer.kv_replay(self.engine, "failed")
-            log.info(
-                "engine %s: KV event catch-up from %s failed: %s", self.engine, source.replay_endpoint, exc
-            )
-            return
+            return None
         for _ in range(result.decode_errors):
             self.observer.kv_decode_error(self.engine)
-        run = _contiguous_run(result.batches[-_last_run_start(result.batches) :], end=2**63)
-        if not run:
-            return
-        if any(_block_count(replayed) > self.max_blocks_per_batch for _, replayed in run):
+        return result.batches
+
+    def _apply_run(
+        self, tracker: SequenceTracker, run: list[tuple[int, EventBatch]], *, result: str | None = None
+    ) -> bool:
+        """Apply ``run`` unless a batch of it is over the block limit; ``result`` is reported first."""
+        if any(_block_count(batch) > self.max_blocks_per_batch for _, batch in run):
             self.observer.kv_decode_error(self.engine)
-            return
-        self.observer.kv_replay(self.engine, "catch_up")
-        for replayed_seq, replayed in run:
-            self._apply(tracker, replayed_seq, replayed)
+            return False
+        if result is not None:
+            self.observer.kv_replay(self.engine, result)
+        for seq, batch in run:
+            self._apply(tracker, seq, batch)
+        return True
 
     def _apply(self, tracker: SequenceTracker, seq: int, batch: EventBatch) -> None:
         if self._closed:  # an engine_removed ran while this message was in flight
