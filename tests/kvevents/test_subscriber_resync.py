@@ -14,7 +14,8 @@ import zmq.asyncio
 
 from kvstack.kvevents.codec import REPLAY_END_SEQ_BYTES, encode_batch, encode_seq
 from kvstack.kvevents.publisher import KVEventPublisher
-from kvstack.kvevents.subscriber import EventSource, KVEventSubscriber, replay
+from kvstack.kvevents.replay import replay
+from kvstack.kvevents.subscriber import EventSource, KVEventSubscriber
 from support.kv_events import (
     TIMEOUT,
     CountingObserver,

@@ -33,15 +33,8 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from kvstack.backoff import Backoff
-from kvstack.kvevents.codec import (
-    REPLAY_END_SEQ,
-    AllBlocksCleared,
-    EventBatch,
-    KVEventDecodeError,
-    decode_batch,
-    decode_seq,
-    encode_seq,
-)
+from kvstack.kvevents.codec import AllBlocksCleared, EventBatch, KVEventDecodeError, decode_batch, decode_seq
+from kvstack.kvevents.replay import contiguous_run, last_run_start, replay
 
 __all__ = [
     "RESOLVE_BACKOFF",
@@ -51,7 +44,6 @@ __all__ = [
     "KVEventSubscriber",
     "SeqVerdict",
     "SequenceTracker",
-    "replay",
     "resolve_sources",
 ]
 
@@ -248,62 +240,6 @@ class SequenceTracker:
     def forget(self) -> None:
         self.received = self.applied = None
         self.interrupted = False
-
-
-@dataclass(slots=True)
-class ReplayResult:
-    batches: list[tuple[int, EventBatch]]  # (seq, batch) in order
-    decode_errors: int = 0
-
-
-async def replay(
-    context: zmq.asyncio.Context,
-    replay_endpoint: str,
-    start_seq: int,
-    *,
-    end_seq: int | None = None,
-    timeout: float = 5.0,  # noqa: ASYNC109 - one budget for the whole exchange, applied inside
-    max_batches: int = 20_000,
-    max_message_bytes: int = -1,
-    on_unknown: Callable[[str], None] | None = None,
-) -> ReplayResult:
-    """Ask a publisher's replay service for every buffered batch with seq >= ``start_seq`` (and below
-    ``end_seq``, when given: the exchange ends at the first batch at or past it). Replies longer than
-    ``max_message_bytes`` (-1: no limit) make ZMQ drop the connection, so the exchange times out.
-
-    Replies are ``[b"", topic, seq, payload]`` (vLLM 0.32) or ``[b"", seq, payload]`` (other vLLM
-    versions); the end marker is seq -1 with an empty payload. Raises TimeoutError when the service does
-    not finish within ``timeout`` seconds (for instance when nothing listens there: ZMQ queues the request
-    and waits for a peer).
-    """
-    sock = context.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
-    out = ReplayResult([])
-    try:
-        sock.connect(replay_endpoint)
-        async with asyncio.timeout(timeout):
-            await sock.send_multipart([b"", encode_seq(start_seq)])
-            while True:
-                frames = await sock.recv_multipart()
-                if len(frames) not in (3, 4) or frames[0]:
-                    out.decode_errors += 1
-                    continue
-                try:
-                    seq = decode_seq(frames[-2])
-                except KVEventDecodeError:
-                    out.decode_errors += 1
-                    continue
-                if seq == REPLAY_END_SEQ or (end_seq is not None and seq >= end_seq):
-                    return out
-                try:
-                    out.batches.append((seq, decode_batch(frames[-1], on_unknown=on_unknown)))
-                except KVEventDecodeError:
-                    out.decode_errors += 1
-                if len(out.batches) > max_batches:
-                    raise TimeoutError(f"replay from {replay_endpoint} sent more than {max_batches} batches")
-    finally:
-        sock.close(linger=0)
 
 
 def _block_count(batch: EventBatch) -> int:
@@ -552,7 +488,7 @@ class KVEventSubscriber:
         batches = await self._ask_replay(source, start, end_seq=seq)
         if batches is None:
             return False
-        run = _contiguous_run(batches, seq)
+        run = contiguous_run(batches, seq)
         leads_up = bool(run) and run[-1][0] == seq - 1
         from_start = bool(run) and run[0][0] == start
         self.observer.kv_replay(self.engine, "ok" if leads_up and from_start else "incomplete")
@@ -565,7 +501,7 @@ class KVEventSubscriber:
         batches = await self._ask_replay(source, 0, what="catch-up", level=logging.INFO)
         if batches is None:
             return
-        run = _contiguous_run(batches[-_last_run_start(batches) :], end=2**63)
+        run = contiguous_run(batches[-last_run_start(batches) :], end=2**63)
         if run:
             self._apply_run(tracker, run, result="catch_up")
 
@@ -597,7 +533,7 @@ class KVEventSubscriber:
             self._reset("gap")
             tracker.forget()
             return False
-        missed = [item for item in _contiguous_run(batches, end=2**63) if item[0] > applied]
+        missed = [item for item in contiguous_run(batches, end=2**63) if item[0] > applied]
         if missed:
             self.observer.kv_gap(self.engine, len(missed))
             self._apply_run(tracker, missed, result="ok")
@@ -708,26 +644,6 @@ class _SubscriberLink:
             self.sub.disable_monitor()
         self.monitor.close(linger=0)
         self.sub.close(linger=0)
-
-
-def _contiguous_run(batches: list[tuple[int, EventBatch]], end: int) -> list[tuple[int, EventBatch]]:
-    """The batches from the first one on while their seqs follow each other, all below ``end``."""
-    run: list[tuple[int, EventBatch]] = []
-    for item in batches:
-        if item[0] >= end or (run and item[0] != run[-1][0] + 1):
-            break
-        run.append(item)
-    return run
-
-
-def _last_run_start(batches: list[tuple[int, EventBatch]]) -> int:
-    """How many batches, counted from the end, follow each other without a gap."""
-    count = 1 if batches else 0
-    for i in range(len(batches) - 1, 0, -1):
-        if batches[i][0] != batches[i - 1][0] + 1:
-            break
-        count += 1
-    return count
 
 
 def _readable(sock: zmq.asyncio.Socket) -> bool:
