@@ -54,6 +54,8 @@ __all__ = [
 
 READ_HIGH_WATER = 1 << 20
 READ_LOW_WATER = READ_HIGH_WATER // 4
+# A deadline this close counts as reached (the loop's timers fire on whole milliseconds).
+_TIMER_SLACK_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +226,11 @@ class _Connection(asyncio.Protocol):
         self.uses = 0
         self.idle_since = 0.0
         self._header_name = ""
+        # When the answer's headers are due (0: none awaited), and the timer that checks it. Requests on a
+        # kept-alive connection move the deadline later, which costs no new timer (see expect_headers_by).
+        self.headers_due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -244,6 +251,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         self.pool._forget(self)
         error = UpstreamBroken(f"connection to the engine lost{f': {exc}' if exc else ''}")
         if self.headers_ready is not None and not self.headers_ready.done():
@@ -302,6 +310,33 @@ class _Connection(asyncio.Protocol):
             self.response._fail(error)
         self.close()
 
+    def expect_headers_by(self, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        """Time the answer out (``headers_timed_out``) unless its headers arrive by ``deadline`` (loop time).
+
+        The timer is kept while deadlines move later; when it fires before the deadline it moves itself."""
+        self.headers_due = deadline
+        if self._timer is not None and self._timer_at <= deadline:
+            return
+        self._stop_timer()
+        self._timer_at = deadline
+        self._timer = loop.call_at(deadline, self._check_deadline, loop)
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        due = self.headers_due
+        if not due or self.closed:
+            return
+        if loop.time() < due - _TIMER_SLACK_S:
+            self.expect_headers_by(due, loop)
+            return
+        self.headers_due = 0.0
+        self.headers_timed_out()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def headers_timed_out(self) -> None:
         waiter = self.headers_ready
         if waiter is not None and not waiter.done():
@@ -317,6 +352,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        self._stop_timer()
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
@@ -439,7 +475,8 @@ class UpstreamPool:
                     continue
                 raise UpstreamBroken("connection to the engine closed before the request was sent")
             conn.transport.writelines((head, body) if body else (head,))
-            timer = None if deadline is None else loop.call_at(deadline, conn.headers_timed_out)
+            if deadline is not None:
+                conn.expect_headers_by(deadline, loop)
             try:
                 await conn.headers_ready
             except UpstreamBroken:
@@ -450,8 +487,7 @@ class UpstreamPool:
                 conn.close()
                 raise
             finally:
-                if timer is not None:
-                    timer.cancel()
+                conn.headers_due = 0.0
             return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
 
