@@ -21,7 +21,7 @@ import collections
 import json
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -410,7 +410,7 @@ class UpstreamPool:
     def idle_connections(self) -> int:
         return sum(len(q) for q in self._idle_conns.values())
 
-    async def request(
+    def request(
         self,
         base_url: str,
         path: str,
@@ -420,28 +420,39 @@ class UpstreamPool:
         connect_timeout: float,
         first_byte_timeout: float | None = None,
         method: str = "POST",
-    ) -> UpstreamResponse:
-        """Send one request; return when the answer's headers arrived.
+    ) -> Coroutine[Any, Any, UpstreamResponse]:
+        """Send one request (await it); done when the answer's headers arrived.
 
         ``first_byte_timeout`` bounds connecting and waiting for the headers together
         (``UpstreamTimeout("first_byte_timeout")``, the connection is closed); ``connect_timeout`` bounds
-        connecting alone (``ConnectFailed``).
+        connecting alone (``ConnectFailed``). (A plain function handing back the coroutine that does the
+        work: every proxied request comes this way, and a coroutine around it would be one more per request.)
         """
         if first_byte_timeout is None:
-            return await self._request(base_url, path, headers, body, connect_timeout, None, method)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + first_byte_timeout
+            return self._request(base_url, path, headers, body, connect_timeout, None, method)
+        deadline = asyncio.get_running_loop().time() + first_byte_timeout
         if first_byte_timeout < connect_timeout:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    return await self._request(
-                        base_url, path, headers, body, connect_timeout, deadline, method
-                    )
-            except UpstreamTimeout:
-                raise
-            except TimeoutError:
-                raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
-        return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+            return self._request_within(base_url, path, headers, body, connect_timeout, deadline, method)
+        return self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+
+    async def _request_within(
+        self,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        connect_timeout: float,
+        deadline: float,
+        method: str,
+    ) -> UpstreamResponse:
+        """``_request`` with connecting bounded by the first-byte ``deadline`` too (it comes first)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+        except UpstreamTimeout:
+            raise
+        except TimeoutError:
+            raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
 
     async def _request(
         self,

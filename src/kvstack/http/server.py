@@ -434,15 +434,12 @@ class Connection(asyncio.Protocol):
                 self.resume_reading()
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
-        reason = _REASONS.get(status, "Unknown")
-        lines = [f"HTTP/1.1 {status} {reason}\r\n".encode("ascii")]
-        for name, value in headers:
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        for name, value in self._server.default_headers:
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        lines.append(self._server.clock.date_line())
-        lines.append(framing)
-        return b"".join(lines)
+        server = self._server
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+        lines.extend([f"{name}: {value}" for name, value in headers])
+        lines.append("")
+        head = "\r\n".join(lines).encode("utf-8", "surrogateescape")
+        return b"".join((head, server.default_lines, server.clock.date_line(), framing))
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
         """A whole response with its Content-Length (no waiting: the transport buffers it)."""
@@ -642,6 +639,10 @@ class HttpServer:
         self.keep_alive_timeout = keep_alive_timeout
         self.receive_timeout = receive_timeout
         self.default_headers = list(default_headers)
+        # The default headers as they are sent, encoded once.
+        self.default_lines = b"".join(
+            f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in self.default_headers
+        )
         self.clock = _Clock()
         self._connections: set[Connection] = set()
         self._server: asyncio.Server | None = None
