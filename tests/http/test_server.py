@@ -16,7 +16,6 @@ import aiohttp
 import pytest
 
 from kvstack.http.server import Connection, HttpServer, Request, Response
-from support.waiting import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -207,33 +206,6 @@ async def test_timeouts_stay_on_time_as_a_keep_alive_connection_moves_its_deadli
         assert await asyncio.wait_for(reader.read(), 10) == b""  # idle: closed after keep_alive_timeout
         assert 1.45 <= loop.time() - answered < 2.5
         writer.close()
-    finally:
-        await served.server.close()
-
-
-async def test_one_task_answers_a_connection_and_ends_with_it() -> None:
-    tasks: list[asyncio.Task[object]] = []
-
-    async def handler(request: Request, conn: Connection) -> Response:
-        task = asyncio.current_task()
-        assert task is not None
-        tasks.append(task)
-        return Response(200, b"ok")
-
-    served = await _serve(handler)
-    try:
-        reader, writer = await served.open()
-        for _ in range(3):  # one after another, the task waiting in between
-            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert (await _read_response(reader))[2] == b"ok"
-        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" * 2)  # pipelined
-        for _ in range(2):
-            assert (await _read_response(reader))[2] == b"ok"
-        assert len(tasks) == 5 and len(set(tasks)) == 1
-        assert not tasks[0].done()  # waiting for the next request
-        writer.close()
-        await eventually(lambda: tasks[0].done(), what="the task ends with its connection")
-        assert served.server.connections == 0
     finally:
         await served.server.close()
 

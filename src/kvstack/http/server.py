@@ -173,11 +173,7 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._pending: collections.deque[Request] = collections.deque()
-        # One task serves the connection's requests in turn and waits between them (for ``_next``): a task
-        # per request would cost its creation and registration each time.
         self._task: asyncio.Task[None] | None = None
-        self._next: asyncio.Future[Request] | None = None
-        self._busy = False  # a request is being answered (its handler runs)
         # The connection's one deadline (0: none) and the timer that checks it (see _arm).
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -320,7 +316,7 @@ class Connection(asyncio.Protocol):
             self._upgrade_offer = True  # data_received reads this request again without Upgrade
             return
         if expect and version == "1.1":  # never a 1xx to HTTP/1.0 (RFC 9110 §15.2)
-            if self._busy:
+            if self._task is not None:
                 self._continue_held = True  # an earlier answer is being sent: _serve sends this one after it
             elif self._transport is not None:
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -352,13 +348,8 @@ class Connection(asyncio.Protocol):
             parser.should_keep_alive(),
         )
         self._body = []
-        if not self._busy:
-            self._busy = True
-            waiting = self._next
-            if waiting is not None and not waiting.done():
-                waiting.set_result(request)
-            else:
-                self._task = self._loop.create_task(self._serve(request))
+        if self._task is None:
+            self._task = self._loop.create_task(self._serve(request))
         else:
             self._pending.append(request)
             if len(self._pending) >= MAX_PIPELINED:
@@ -366,30 +357,6 @@ class Connection(asyncio.Protocol):
 
     # -- serving -----------------------------------------------------------------------------------
     async def _serve(self, request: Request) -> None:
-        """Answer the connection's requests in order; between them wait for the next (``_next``)."""
-        while True:
-            await self._answer_in_turn(request)
-            self._busy = False
-            self._request = None
-            transport = self._transport
-            if self._closed or transport is None or transport.is_closing():
-                return
-            if self._refusal is not None:
-                self._refuse(*self._refusal)  # a bad request behind the answered ones: its turn, then close
-                return
-            if self._continue_held and not self._body_size:
-                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
-            self._continue_held = False
-            # A next request half received while this one was answered gets the rest of its time now.
-            self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
-            waiting = self._next = self._loop.create_future()
-            try:
-                request = await waiting  # cancelled when the connection is lost
-            finally:
-                self._next = None
-
-    async def _answer_in_turn(self, request: Request) -> None:
-        """Answer ``request`` and the ones pipelined behind it, until none waits or the connection ends."""
         handler = self._server.handler
         while True:
             self._request = request
@@ -403,7 +370,7 @@ class Connection(asyncio.Protocol):
                 elif not self._started:
                     raise RuntimeError(f"handler for {request.method} {request.path} sent no response")
             except asyncio.CancelledError:
-                self._busy = False
+                self._task = None
                 raise
             except (ConnectionResetError, BrokenPipeError):
                 self.close()
@@ -413,25 +380,38 @@ class Connection(asyncio.Protocol):
                     self.send_error(OpenAIError(500, "internal router error", "InternalServerError"))
                 self._close_after = True
             if self._closed:
-                return
+                break
             if self._framing == _CLOSE:
                 # A close-delimited stream (HTTP/1.0) ends only when the connection does.
                 self._close_after = True
             if self._close_after or not request.keep_alive:
                 self.close()
-                return
+                break
             if not self._pending:
-                return
+                break
             if self._write_paused:
                 # The client leaves its answers unread: take no further request until it reads, or a client
                 # that pipelines and never reads would grow the answers buffered here without bound.
                 try:
                     await self._drained()
                 except ConnectionResetError:
-                    return
+                    break
             request = self._pending.popleft()
             if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
                 self.resume_reading()
+        self._task = None
+        self._request = None
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            return
+        if self._refusal is not None:
+            self._refuse(*self._refusal)  # a bad request behind the ones answered: its turn now, then close
+        else:
+            if self._continue_held and not self._body_size:
+                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
+            self._continue_held = False
+            # A next request half received while this one was answered gets the rest of its time now.
+            self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
         server = self._server
@@ -542,7 +522,7 @@ class Connection(asyncio.Protocol):
     # -- connection control --------------------------------------------------------------------------
     def _refuse(self, status: int, message: str, retry_later: bool = False) -> None:
         """Answer a request that could not be read (or a connection over the limit), then close."""
-        if self._busy:
+        if self._task is not None:
             # Earlier requests are still being answered, and answers go out in order (RFC 9112 §9.3.2):
             # read nothing more; _serve sends this answer after theirs.
             if self._refusal is None:
@@ -585,9 +565,9 @@ class Connection(asyncio.Protocol):
         self._timed_out()
 
     def _timed_out(self) -> None:
-        if self._receiving and not self._busy:
+        if self._receiving and self._task is None:
             self._refuse(408, f"request not received within {self._server.receive_timeout:g} s")
-        elif not self._busy:
+        elif self._task is None:
             self.close()  # idle keep-alive connection
 
     def pause_reading(self) -> None:
@@ -617,7 +597,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return not self._busy and not self._receiving
+        return self._task is None and not self._receiving
 
 
 class HttpServer:
