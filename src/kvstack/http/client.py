@@ -52,6 +52,8 @@ __all__ = [
     "UpstreamTimeout",
 ]
 
+# An origin's fields (scheme, host, port, base path, Host header): what pooled connections are keyed by.
+_PoolKey = tuple[str, str, int, str, str]
 READ_HIGH_WATER = 1 << 20
 READ_LOW_WATER = READ_HIGH_WATER // 4
 # A deadline this close counts as reached (the loop's timers fire on whole milliseconds).
@@ -213,9 +215,10 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; parses one answer at a time."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: UpstreamPool, origin: Origin, key: _PoolKey) -> None:
         self.pool = pool
         self.origin = origin
+        self.key = key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -385,8 +388,8 @@ class UpstreamPool:
         self.max_connections = max_connections
         self._ssl = ssl_context
         self._clock = clock
-        self._origins: dict[str, Origin] = {}
-        self._idle_conns: dict[Origin, collections.deque[_Connection]] = {}
+        self._origins: dict[str, tuple[Origin, _PoolKey]] = {}
+        self._idle_conns: dict[_PoolKey, collections.deque[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._slots: asyncio.Semaphore | None = (
             asyncio.Semaphore(max_connections) if max_connections > 0 else None
@@ -394,13 +397,19 @@ class UpstreamPool:
         self._closed = False
 
     def origin(self, base_url: str) -> Origin:
-        origin = self._origins.get(base_url)
-        if origin is None:
+        return self._origin(base_url)[0]
+
+    def _origin(self, base_url: str) -> tuple[Origin, _PoolKey]:
+        """The origin of ``base_url`` and the key of its idle connections (a tuple: its hash is computed
+        in C, where the frozen dataclass's would run Python on every lookup)."""
+        known = self._origins.get(base_url)
+        if known is None:
             origin = Origin.parse(base_url)
             if len(self._origins) > 4096:  # engines come and go: keep the memo bounded
                 self._origins.clear()
-            self._origins[base_url] = origin
-        return origin
+            key = (origin.scheme, origin.host, origin.port, origin.base_path, origin.host_header)
+            known = self._origins[base_url] = (origin, key)
+        return known
 
     @property
     def open_connections(self) -> int:
@@ -465,15 +474,15 @@ class UpstreamPool:
         method: str,
     ) -> UpstreamResponse:
         try:
-            origin = self.origin(base_url)
+            origin, key = self._origin(base_url)
             head = _request_head(method, origin, path, headers, len(body))
         except ValueError as exc:
             raise CannotSend(str(exc)) from None
         for fresh_only in (False, True):
-            conn = None if fresh_only else self._take_idle(origin)
+            conn = None if fresh_only else self._take_idle(key)
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(origin, connect_timeout)
+                conn = await self._connect(origin, key, connect_timeout)
             response = UpstreamResponse(conn, base_url)
             loop = asyncio.get_running_loop()
             conn.response = response
@@ -587,8 +596,8 @@ class UpstreamPool:
         resp.release()
         return Reply(resp.status, resp.headers, data)
 
-    def _take_idle(self, origin: Origin) -> _Connection | None:
-        queue = self._idle_conns.get(origin)
+    def _take_idle(self, key: _PoolKey) -> _Connection | None:
+        queue = self._idle_conns.get(key)
         if not queue:
             return None
         oldest_ok = self._clock() - self.idle_timeout
@@ -602,7 +611,7 @@ class UpstreamPool:
             return conn
         return None
 
-    async def _connect(self, origin: Origin, connect_timeout: float) -> _Connection:
+    async def _connect(self, origin: Origin, key: _PoolKey, connect_timeout: float) -> _Connection:
         if self._closed:
             raise ConnectFailed("the router is shutting down")
         if self._slots is not None:
@@ -614,7 +623,7 @@ class UpstreamPool:
             except TimeoutError:
                 raise ConnectTimedOut(f"no free connection slot in {connect_timeout:g} s") from None
         loop = asyncio.get_running_loop()
-        conn = _Connection(self, origin)
+        conn = _Connection(self, origin, key)
         ssl_ctx: ssl.SSLContext | None = None
         if origin.scheme == "https":
             ssl_ctx = self._ssl or ssl.create_default_context()
@@ -655,7 +664,9 @@ class UpstreamPool:
             self._slots.release()
 
     def _idle(self, conn: _Connection) -> None:
-        queue = self._idle_conns.setdefault(conn.origin, collections.deque())
+        queue = self._idle_conns.get(conn.key)
+        if queue is None:
+            queue = self._idle_conns[conn.key] = collections.deque()
         conn.idle_since = self._clock()
         queue.append(conn)
         while len(queue) > self.max_idle_per_origin:
@@ -692,7 +703,7 @@ def _request_head(
     method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
 ) -> bytes:
     lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"Host: {origin.host_header}"]
-    lines.extend(f"{name}: {value}" for name, value in headers)
+    lines.extend([f"{name}: {value}" for name, value in headers])
     lines.append(f"Content-Length: {length}")
     lines.append("\r\n")
     return "\r\n".join(lines).encode("utf-8", "surrogateescape")

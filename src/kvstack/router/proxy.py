@@ -115,7 +115,7 @@ class Timeouts:
     def limit(self, bound: Literal["first_byte", "idle"], remaining: float) -> tuple[Bound, float]:
         """How long a wait may last and which bound sets that: ``bound``, or the total deadline when it
         comes first (``remaining`` seconds away)."""
-        seconds: float = getattr(self, bound)
+        seconds = self.first_byte if bound == "first_byte" else self.idle
         return (bound, seconds) if seconds < remaining else ("total", max(0.0, remaining))
 
     def shortened(self, bound: Bound, configured: Timeouts) -> bool:
