@@ -30,8 +30,6 @@ from kvstack.router.workers import WorkerGroup, WorkerGroupConfig
 
 log = logging.getLogger(__name__)
 
-GC_YOUNG_THRESHOLD = 20_000  # allocations between young-generation collections (Python's default: 700)
-
 
 @dataclass
 class RouterOptions(FrontEndOptions):
@@ -169,15 +167,9 @@ async def running_router(opts: RouterOptions) -> AsyncIterator[RunningRouter]:
 def settle_garbage_collector() -> None:
     """Move everything built at start (tokenizers, templates, metric families, indexes) out of the collector's
     sight, so a full collection scans only what requests made since: a full pass over the start-up heap
-    paused the event loop for tens of milliseconds at a time, which is every request's tail latency.
-
-    The youngest generation is collected every ``GC_YOUNG_THRESHOLD`` allocations rather than Python's 700:
-    a request's objects are freed by reference counting, so each young collection mostly rescans the
-    in-flight requests' objects, a cost paid every few requests for nothing."""
+    paused the event loop for tens of milliseconds at a time, which is every request's tail latency."""
     gc.collect()
     gc.freeze()
-    _, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 async def serve_forever(opts: RouterOptions) -> None:
