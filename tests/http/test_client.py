@@ -350,6 +350,38 @@ async def test_no_answer_in_time_is_a_first_byte_timeout_and_closes(raw_server: 
         await pool.close()
 
 
+async def test_first_byte_timeouts_hold_on_a_reused_connection(raw_server: ServerFactory) -> None:
+    """Each request on a kept-alive connection gets its own first-byte deadline, later or earlier than the
+    one before: an answer in time is never cut off, a late one always is. (Connect timeouts below the
+    first-byte ones: the pool's own deadline bounds the wait, not an ``asyncio.timeout`` around it.)"""
+    loop = asyncio.get_running_loop()
+
+    def answer(conn: _Conn, request: bytes) -> None:
+        delay = float(request.split(b"\r\n", 1)[0].split(b"/d/")[1].split(b" ")[0])
+        if delay >= 0:
+            loop.call_later(delay, conn.send, sized(b"{}"))
+
+    server = await serve(raw_server(answer))
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(server.url, "/d/0", [], b"", connect_timeout=0.2, first_byte_timeout=0.3)
+        await resp.read()
+        resp.release()
+        # Answered 0.4 s in: past the first request's deadline, within this one's.
+        resp = await pool.request(server.url, "/d/0.4", [], b"", connect_timeout=0.2, first_byte_timeout=1.0)
+        await resp.read()
+        resp.release()
+        assert len(server.connections) == 1
+        started = loop.time()
+        with pytest.raises(UpstreamTimeout) as info:  # never answered, and a shorter deadline than before
+            await pool.request(server.url, "/d/-1", [], b"", connect_timeout=0.1, first_byte_timeout=0.2)
+        assert info.value.reason == "first_byte_timeout"
+        assert 0.15 <= loop.time() - started < 0.45
+        assert len(server.connections) == 1 and pool.open_connections == 0
+    finally:
+        await pool.close()
+
+
 async def test_a_body_that_stalls_is_a_body_timeout(raw_server: ServerFactory) -> None:
     server = await serve(
         raw_server(lambda conn, req: conn.send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"))

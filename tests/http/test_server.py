@@ -182,6 +182,34 @@ async def test_receive_and_keep_alive_timeouts() -> None:
         await served.server.close()
 
 
+async def test_timeouts_stay_on_time_as_a_keep_alive_connection_moves_its_deadline() -> None:
+    async def handler(request: Request, conn: Connection) -> Response:
+        return Response(200, b"ok")
+
+    loop = asyncio.get_running_loop()
+    served = await _serve(handler, receive_timeout=0.3, keep_alive_timeout=1.5)
+    try:
+        reader, writer = await served.open()
+        for _ in range(3):  # each answer moves the deadline to the longer keep-alive timeout
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _read_response(reader))[2] == b"ok"
+            await asyncio.sleep(0.1)
+        sent = loop.time()
+        writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # never the rest
+        assert (await _read_response(reader))[0] == 408
+        assert 0.25 <= loop.time() - sent < 0.7  # the shorter receive timeout, not the keep-alive one
+        writer.close()
+        reader, writer = await served.open()
+        writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert (await _read_response(reader))[2] == b"ok"
+        answered = loop.time()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # idle: closed after keep_alive_timeout
+        assert 1.45 <= loop.time() - answered < 2.5
+        writer.close()
+    finally:
+        await served.server.close()
+
+
 async def test_streams_chunked_close_delimited_for_http10_and_head_has_no_body() -> None:
     async def handler(request: Request, conn: Connection) -> Response | None:
         conn.start(200, [("Content-Type", "text/event-stream")])

@@ -46,7 +46,9 @@ def request_id(headers: Mapping[str, str]) -> str:
     return f"kvs-{random.getrandbits(96):024x}"
 
 
-@dataclass(frozen=True, slots=True)
+# RouteRequest and Decision are made for every request: not frozen, whose __init__ costs a Python-level
+# object.__setattr__ per field.
+@dataclass(slots=True)
 class RouteRequest:
     """What routing needs from a request body; scheduling never sees the raw bytes."""
 
@@ -100,7 +102,7 @@ def parse_route(
     return RouteRequest(path, model, stream, session, request_id, body)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Decision:
     """Where a request goes: the engine URLs that may serve it (the chosen one first, then fallbacks for
     retries) and, when its prompt is to be prefilled elsewhere first, the prefill engines (best first)."""

@@ -21,7 +21,7 @@ import collections
 import json
 import ssl
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -52,8 +52,12 @@ __all__ = [
     "UpstreamTimeout",
 ]
 
+# An origin's fields (scheme, host, port, base path, Host header): what pooled connections are keyed by.
+_PoolKey = tuple[str, str, int, str, str]
 READ_HIGH_WATER = 1 << 20
 READ_LOW_WATER = READ_HIGH_WATER // 4
+# A deadline this close counts as reached (the loop's timers fire on whole milliseconds).
+_TIMER_SLACK_S = 0.001
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,9 +215,10 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; parses one answer at a time."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin) -> None:
+    def __init__(self, pool: UpstreamPool, origin: Origin, key: _PoolKey) -> None:
         self.pool = pool
         self.origin = origin
+        self.key = key
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
@@ -224,6 +229,11 @@ class _Connection(asyncio.Protocol):
         self.uses = 0
         self.idle_since = 0.0
         self._header_name = ""
+        # When the answer's headers are due (0: none awaited), and the timer that checks it. Requests on a
+        # kept-alive connection move the deadline later, which costs no new timer (see expect_headers_by).
+        self.headers_due = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
 
     # -- asyncio.Protocol --------------------------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -244,6 +254,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._stop_timer()
         self.pool._forget(self)
         error = UpstreamBroken(f"connection to the engine lost{f': {exc}' if exc else ''}")
         if self.headers_ready is not None and not self.headers_ready.done():
@@ -302,6 +313,33 @@ class _Connection(asyncio.Protocol):
             self.response._fail(error)
         self.close()
 
+    def expect_headers_by(self, deadline: float, loop: asyncio.AbstractEventLoop) -> None:
+        """Time the answer out (``headers_timed_out``) unless its headers arrive by ``deadline`` (loop time).
+
+        The timer is kept while deadlines move later; when it fires before the deadline it moves itself."""
+        self.headers_due = deadline
+        if self._timer is not None and self._timer_at <= deadline:
+            return
+        self._stop_timer()
+        self._timer_at = deadline
+        self._timer = loop.call_at(deadline, self._check_deadline, loop)
+
+    def _check_deadline(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer = None
+        due = self.headers_due
+        if not due or self.closed:
+            return
+        if loop.time() < due - _TIMER_SLACK_S:
+            self.expect_headers_by(due, loop)
+            return
+        self.headers_due = 0.0
+        self.headers_timed_out()
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
     def headers_timed_out(self) -> None:
         waiter = self.headers_ready
         if waiter is not None and not waiter.done():
@@ -317,6 +355,7 @@ class _Connection(asyncio.Protocol):
             self.transport.resume_reading()
 
     def close(self) -> None:
+        self._stop_timer()
         if not self.closed:
             self.closed = True
             self.pool._forget(self)
@@ -349,8 +388,8 @@ class UpstreamPool:
         self.max_connections = max_connections
         self._ssl = ssl_context
         self._clock = clock
-        self._origins: dict[str, Origin] = {}
-        self._idle_conns: dict[Origin, collections.deque[_Connection]] = {}
+        self._origins: dict[str, tuple[Origin, _PoolKey]] = {}
+        self._idle_conns: dict[_PoolKey, collections.deque[_Connection]] = {}
         self._open: set[_Connection] = set()
         self._slots: asyncio.Semaphore | None = (
             asyncio.Semaphore(max_connections) if max_connections > 0 else None
@@ -358,13 +397,19 @@ class UpstreamPool:
         self._closed = False
 
     def origin(self, base_url: str) -> Origin:
-        origin = self._origins.get(base_url)
-        if origin is None:
+        return self._origin(base_url)[0]
+
+    def _origin(self, base_url: str) -> tuple[Origin, _PoolKey]:
+        """The origin of ``base_url`` and the key of its idle connections (a tuple: its hash is computed
+        in C, where the frozen dataclass's would run Python on every lookup)."""
+        known = self._origins.get(base_url)
+        if known is None:
             origin = Origin.parse(base_url)
             if len(self._origins) > 4096:  # engines come and go: keep the memo bounded
                 self._origins.clear()
-            self._origins[base_url] = origin
-        return origin
+            key = (origin.scheme, origin.host, origin.port, origin.base_path, origin.host_header)
+            known = self._origins[base_url] = (origin, key)
+        return known
 
     @property
     def open_connections(self) -> int:
@@ -374,7 +419,7 @@ class UpstreamPool:
     def idle_connections(self) -> int:
         return sum(len(q) for q in self._idle_conns.values())
 
-    async def request(
+    def request(
         self,
         base_url: str,
         path: str,
@@ -384,28 +429,39 @@ class UpstreamPool:
         connect_timeout: float,
         first_byte_timeout: float | None = None,
         method: str = "POST",
-    ) -> UpstreamResponse:
-        """Send one request; return when the answer's headers arrived.
+    ) -> Coroutine[Any, Any, UpstreamResponse]:
+        """Send one request (await it); done when the answer's headers arrived.
 
         ``first_byte_timeout`` bounds connecting and waiting for the headers together
         (``UpstreamTimeout("first_byte_timeout")``, the connection is closed); ``connect_timeout`` bounds
-        connecting alone (``ConnectFailed``).
+        connecting alone (``ConnectFailed``). (A plain function handing back the coroutine that does the
+        work: every proxied request comes this way, and a coroutine around it would be one more per request.)
         """
         if first_byte_timeout is None:
-            return await self._request(base_url, path, headers, body, connect_timeout, None, method)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + first_byte_timeout
+            return self._request(base_url, path, headers, body, connect_timeout, None, method)
+        deadline = asyncio.get_running_loop().time() + first_byte_timeout
         if first_byte_timeout < connect_timeout:
-            try:
-                async with asyncio.timeout_at(deadline):
-                    return await self._request(
-                        base_url, path, headers, body, connect_timeout, deadline, method
-                    )
-            except UpstreamTimeout:
-                raise
-            except TimeoutError:
-                raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
-        return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+            return self._request_within(base_url, path, headers, body, connect_timeout, deadline, method)
+        return self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+
+    async def _request_within(
+        self,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        connect_timeout: float,
+        deadline: float,
+        method: str,
+    ) -> UpstreamResponse:
+        """``_request`` with connecting bounded by the first-byte ``deadline`` too (it comes first)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
+        except UpstreamTimeout:
+            raise
+        except TimeoutError:
+            raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
 
     async def _request(
         self,
@@ -418,15 +474,15 @@ class UpstreamPool:
         method: str,
     ) -> UpstreamResponse:
         try:
-            origin = self.origin(base_url)
+            origin, key = self._origin(base_url)
             head = _request_head(method, origin, path, headers, len(body))
         except ValueError as exc:
             raise CannotSend(str(exc)) from None
         for fresh_only in (False, True):
-            conn = None if fresh_only else self._take_idle(origin)
+            conn = None if fresh_only else self._take_idle(key)
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(origin, connect_timeout)
+                conn = await self._connect(origin, key, connect_timeout)
             response = UpstreamResponse(conn, base_url)
             loop = asyncio.get_running_loop()
             conn.response = response
@@ -439,7 +495,8 @@ class UpstreamPool:
                     continue
                 raise UpstreamBroken("connection to the engine closed before the request was sent")
             conn.transport.writelines((head, body) if body else (head,))
-            timer = None if deadline is None else loop.call_at(deadline, conn.headers_timed_out)
+            if deadline is not None:
+                conn.expect_headers_by(deadline, loop)
             try:
                 await conn.headers_ready
             except UpstreamBroken:
@@ -450,8 +507,7 @@ class UpstreamPool:
                 conn.close()
                 raise
             finally:
-                if timer is not None:
-                    timer.cancel()
+                conn.headers_due = 0.0
             return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
 
@@ -540,8 +596,8 @@ class UpstreamPool:
         resp.release()
         return Reply(resp.status, resp.headers, data)
 
-    def _take_idle(self, origin: Origin) -> _Connection | None:
-        queue = self._idle_conns.get(origin)
+    def _take_idle(self, key: _PoolKey) -> _Connection | None:
+        queue = self._idle_conns.get(key)
         if not queue:
             return None
         oldest_ok = self._clock() - self.idle_timeout
@@ -555,7 +611,7 @@ class UpstreamPool:
             return conn
         return None
 
-    async def _connect(self, origin: Origin, connect_timeout: float) -> _Connection:
+    async def _connect(self, origin: Origin, key: _PoolKey, connect_timeout: float) -> _Connection:
         if self._closed:
             raise ConnectFailed("the router is shutting down")
         if self._slots is not None:
@@ -567,7 +623,7 @@ class UpstreamPool:
             except TimeoutError:
                 raise ConnectTimedOut(f"no free connection slot in {connect_timeout:g} s") from None
         loop = asyncio.get_running_loop()
-        conn = _Connection(self, origin)
+        conn = _Connection(self, origin, key)
         ssl_ctx: ssl.SSLContext | None = None
         if origin.scheme == "https":
             ssl_ctx = self._ssl or ssl.create_default_context()
@@ -608,7 +664,9 @@ class UpstreamPool:
             self._slots.release()
 
     def _idle(self, conn: _Connection) -> None:
-        queue = self._idle_conns.setdefault(conn.origin, collections.deque())
+        queue = self._idle_conns.get(conn.key)
+        if queue is None:
+            queue = self._idle_conns[conn.key] = collections.deque()
         conn.idle_since = self._clock()
         queue.append(conn)
         while len(queue) > self.max_idle_per_origin:
@@ -645,7 +703,7 @@ def _request_head(
     method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
 ) -> bytes:
     lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"Host: {origin.host_header}"]
-    lines.extend(f"{name}: {value}" for name, value in headers)
+    lines.extend([f"{name}: {value}" for name, value in headers])
     lines.append(f"Content-Length: {length}")
     lines.append("\r\n")
     return "\r\n".join(lines).encode("utf-8", "surrogateescape")

@@ -44,6 +44,8 @@ MAX_PIPELINED = 16
 _CHECKED_HEADERS = frozenset({"host", "content-length", "expect", "transfer-encoding", "upgrade"})
 # llhttp's error reason for a version it does not parse (HTTP/1.2, HTTP/3.0, ...).
 _LLHTTP_BAD_VERSION = "Invalid HTTP version"
+# A deadline this close counts as reached (the loop's timers fire on whole milliseconds).
+_TIMER_SLACK_S = 0.001
 # How a response body is delimited.
 _LENGTH, _CHUNKED, _CLOSE = 0, 1, 2
 
@@ -172,6 +174,8 @@ class Connection(asyncio.Protocol):
         self._parser = httptools.HttpRequestParser(self)
         self._pending: collections.deque[Request] = collections.deque()
         self._task: asyncio.Task[None] | None = None
+        # The connection's one deadline (0: none) and the timer that checks it (see _arm).
+        self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
         self._reading_paused = False
         self._closed = False
@@ -241,6 +245,9 @@ class Connection(asyncio.Protocol):
         self._closed = True
         self._server._connections.discard(self)
         self._disarm()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         self._pending.clear()
         if self._drain is not None and not self._drain.done():
             self._drain.set_exception(ConnectionResetError("client disconnected"))
@@ -407,15 +414,12 @@ class Connection(asyncio.Protocol):
             self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
-        reason = _REASONS.get(status, "Unknown")
-        lines = [f"HTTP/1.1 {status} {reason}\r\n".encode("ascii")]
-        for name, value in headers:
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        for name, value in self._server.default_headers:
-            lines.append(f"{name}: {value}\r\n".encode("utf-8", "surrogateescape"))
-        lines.append(self._server.clock.date_line())
-        lines.append(framing)
-        return b"".join(lines)
+        server = self._server
+        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
+        lines.extend([f"{name}: {value}" for name, value in headers])
+        lines.append("")
+        head = "\r\n".join(lines).encode("utf-8", "surrogateescape")
+        return b"".join((head, server.default_lines, server.clock.date_line(), framing))
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
         """A whole response with its Content-Length (no waiting: the transport buffers it)."""
@@ -538,16 +542,29 @@ class Connection(asyncio.Protocol):
         self.close()
 
     def _arm(self, seconds: float) -> None:
-        self._disarm()
-        self._timer = self._loop.call_later(seconds, self._timed_out)
+        """Time out ``seconds`` from now. Moving the deadline costs no timer: the one timer fires no later
+        than any deadline can be (the shortest timeout after it was set) and moves itself to the deadline."""
+        now = self._loop.time()
+        self._deadline = now + seconds
+        if self._timer is None:
+            self._timer = self._loop.call_at(now + self._server.shortest_timeout, self._check_deadline)
 
     def _disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self._deadline = 0.0
+
+    def _check_deadline(self) -> None:
+        self._timer = None
+        if not self._deadline or self._closed:
+            return
+        now = self._loop.time()
+        if now < self._deadline - _TIMER_SLACK_S:
+            until = min(self._deadline, now + self._server.shortest_timeout)
+            self._timer = self._loop.call_at(until, self._check_deadline)
+            return
+        self._deadline = 0.0
+        self._timed_out()
 
     def _timed_out(self) -> None:
-        self._timer = None
         if self._receiving and self._task is None:
             self._refuse(408, f"request not received within {self._server.receive_timeout:g} s")
         elif self._task is None:
@@ -602,6 +619,10 @@ class HttpServer:
         self.keep_alive_timeout = keep_alive_timeout
         self.receive_timeout = receive_timeout
         self.default_headers = list(default_headers)
+        # The default headers as they are sent, encoded once.
+        self.default_lines = b"".join(
+            f"{name}: {value}\r\n".encode("utf-8", "surrogateescape") for name, value in self.default_headers
+        )
         self.clock = _Clock()
         self._connections: set[Connection] = set()
         self._server: asyncio.Server | None = None
@@ -613,6 +634,11 @@ class HttpServer:
     @property
     def connections(self) -> int:
         return len(self._connections)
+
+    @property
+    def shortest_timeout(self) -> float:
+        """No connection's deadline is nearer than this after it is set (each connection's timer step)."""
+        return min(self.receive_timeout, self.keep_alive_timeout)
 
     async def close(self, grace: float = 5.0) -> None:
         """Stop accepting; close idle connections; give handlers ``grace`` seconds, then cancel them."""

@@ -33,7 +33,7 @@ from kvstack.engines.specs import EngineSpecError, build_endpoint
 from kvstack.engines.state import Endpoint
 from kvstack.frontend.admission import AdmissionController, AdmissionRejected
 from kvstack.frontend.fleet import Fleet
-from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json, parse_route, request_id
+from kvstack.frontend.routing import Picker, decode_json, parse_route, request_id
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -258,13 +258,17 @@ class RouterApp:
         request_id = request_id_of(request)
         try:
             # Refused requests (bad JSON, unknown model, bad timeout header) are counted too, engine "none".
-            route = self._parse(request, raw, request_id)
+            route = parse_route(
+                request.path, request.headers, raw, request_id, self.registry, self.config.session_headers
+            )
             timeouts = self.config.timeouts.overridden(request.headers)
             if route.model in self.registry.models():
                 model_label = route.model
             await self.admission.acquire()
             try:
-                decision = await self._candidates(route)
+                # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays
+                # stable.
+                decision = await self.picker.pick(route, self.registry.states())
                 candidates = decision.candidates
                 self.metrics.decision(decision.profile, decision.target)
                 body = raw
@@ -306,15 +310,6 @@ class RouterApp:
                     model_label, outcome.first_byte_at - started, time.monotonic() - started
                 )
         return None
-
-    def _parse(self, request: Request, raw: bytes, request_id: str) -> RouteRequest:
-        return parse_route(
-            request.path, request.headers, raw, request_id, self.registry, self.config.session_headers
-        )
-
-    async def _candidates(self, route: RouteRequest) -> Decision:
-        # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays stable.
-        return await self.picker.pick(route, self.registry.states())
 
 
 def _json(body: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:

@@ -64,6 +64,11 @@ _DROP_RESPONSE_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+# (header, Timeouts field) of each per-request timeout override.
+_TIMEOUT_HEADERS = tuple(
+    (TIMEOUT_HEADER_PREFIX + name, name.replace("-", "_"))
+    for name in ("connect", "first-byte", "idle", "total")
+)
 # Response header naming the engine that answered (for clients, load tests and debugging).
 ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
@@ -94,8 +99,8 @@ class Timeouts:
     def overridden(self, headers: Mapping[str, str]) -> Timeouts:
         """Per-request overrides from ``x-kvstack-timeout-*`` headers; bad values raise a 400."""
         changes: dict[str, float] = {}
-        for name in ("connect", "first-byte", "idle", "total"):
-            raw = headers.get(TIMEOUT_HEADER_PREFIX + name)
+        for header, field_name in _TIMEOUT_HEADERS:
+            raw = headers.get(header)
             if raw is None:
                 continue
             try:
@@ -103,15 +108,14 @@ class Timeouts:
             except ValueError:
                 value = -1.0
             if not 0 < value <= 86400:
-                header = TIMEOUT_HEADER_PREFIX + name
                 raise errors.bad_request(f"header {header} must be seconds in (0, 86400], got {raw!r}")
-            changes[name.replace("-", "_")] = value
+            changes[field_name] = value
         return replace(self, **changes) if changes else self
 
     def limit(self, bound: Literal["first_byte", "idle"], remaining: float) -> tuple[Bound, float]:
         """How long a wait may last and which bound sets that: ``bound``, or the total deadline when it
         comes first (``remaining`` seconds away)."""
-        seconds: float = getattr(self, bound)
+        seconds = self.first_byte if bound == "first_byte" else self.idle
         return (bound, seconds) if seconds < remaining else ("total", max(0.0, remaining))
 
     def shortened(self, bound: Bound, configured: Timeouts) -> bool:
