@@ -34,7 +34,7 @@ from procs import REPO
 from results import git_state, write_json
 from soak_load import Tally, drive
 from soak_report import accounting_verdict, leak_verdict, plot, table
-from soak_sampler import front_counters, proc_sample
+from soak_sampler import front_counters, group_sample
 from soak_stack import BASE_FAULTS, BURSTS, Stack, start_stack
 
 
@@ -78,8 +78,8 @@ class Soak:
 
     async def sample(self, http: aiohttp.ClientSession) -> dict[str, Any]:
         s: dict[str, Any] = {"t": round(self.now(), 2), "procs": {}, "in_flight": {}}
-        for name, pid in self.watched.items():
-            s["procs"][name] = proc_sample(pid)
+        for name, pgid in self.watched.items():
+            s["procs"][name] = group_sample(pgid)
         for name, url in (("router", self.stack.router_url), ("epp", self.stack.epp_url)):
             try:
                 s["in_flight"][name] = (await _metrics(http, url))["in_flight"]

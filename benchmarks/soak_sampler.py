@@ -1,7 +1,8 @@
 """What the soak samples from a running process and a front end's /metrics.
 
 ``proc_sample(pid)``: resident memory (VmRSS), open file descriptors, the sockets among them, threads, from
-/proc. ``front_counters(text)``: a front end's ``kvstack_router_requests_total`` by status, the sum of
+/proc; ``group_sample(pgid)``: the same summed over a process group (a router's supervisor and its workers).
+``front_counters(text)``: a front end's ``kvstack_router_requests_total`` by status, the sum of
 ``kvstack_router_in_flight_requests`` and failed attempts against engines by reason. Neither kvstack
 process exports its asyncio task count; the socket and in-flight counts stand for it (a leaked task holding
 a connection holds a socket).
@@ -14,6 +15,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+from procs import group_pids
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -39,6 +41,16 @@ def proc_sample(pid: int) -> dict[str, int] | None:
         "sockets": sockets,
         "threads": int(fields["Threads"]),
     }
+
+
+def group_sample(pgid: int) -> dict[str, int] | None:
+    """``proc_sample`` summed over every live process of group ``pgid`` (with ``processes``), or None."""
+    samples = [s for pid in group_pids(pgid) if (s := proc_sample(pid)) is not None]
+    if not samples:
+        return None
+    total = {key: sum(s[key] for s in samples) for key in samples[0]}
+    total["processes"] = len(samples)
+    return total
 
 
 def front_counters(text: str) -> dict[str, Any]:

@@ -106,7 +106,8 @@ class Stack:
     envoy_admin: str
 
     def watched(self) -> dict[str, int]:
-        """The processes whose resources the soak samples: name -> pid."""
+        """The processes whose resources the soak samples: name -> process group (the router's supervisor
+        and its workers are one group; each other name is one process)."""
         return {
             "router": self.router.procs[0].pid,
             "epp": self.epp.procs[0].pid,
