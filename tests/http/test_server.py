@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from kvstack.http.server import Connection, HttpServer, Request, Response
+from support.waiting import eventually
 
 pytestmark = pytest.mark.asyncio
 
@@ -187,7 +188,7 @@ async def test_timeouts_stay_on_time_as_a_keep_alive_connection_moves_its_deadli
         return Response(200, b"ok")
 
     loop = asyncio.get_running_loop()
-    served = await _serve(handler, receive_timeout=0.3, keep_alive_timeout=1.5)
+    served = await _serve(handler, receive_timeout=0.3, keep_alive_timeout=3.0)
     try:
         reader, writer = await served.open()
         for _ in range(3):  # each answer moves the deadline to the longer keep-alive timeout
@@ -197,16 +198,34 @@ async def test_timeouts_stay_on_time_as_a_keep_alive_connection_moves_its_deadli
         sent = loop.time()
         writer.write(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n\r\nabc")  # never the rest
         assert (await _read_response(reader))[0] == 408
-        assert 0.25 <= loop.time() - sent < 0.7  # the shorter receive timeout, not the keep-alive one
+        assert 0.25 <= loop.time() - sent < 2.5  # the shorter receive timeout, not the keep-alive one
         writer.close()
         reader, writer = await served.open()
         writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert (await _read_response(reader))[2] == b"ok"
         answered = loop.time()
         assert await asyncio.wait_for(reader.read(), 10) == b""  # idle: closed after keep_alive_timeout
-        assert 1.45 <= loop.time() - answered < 2.5
+        assert loop.time() - answered >= 2.95
         writer.close()
     finally:
+        await served.server.close()
+
+
+async def test_a_client_that_never_takes_its_answer_is_dropped_at_the_keep_alive_timeout() -> None:
+    async def handler(request: Request, conn: Connection) -> Response:
+        return Response(200, b"x" * (8 << 20))  # far more than the sockets' buffers hold
+
+    served = await _serve(handler, keep_alive_timeout=0.3)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        sock.connect(("127.0.0.1", served.port))
+        sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")  # and never reads
+        await eventually(lambda: served.server.connections == 1, timeout_s=5)
+        # A close would wait for the client to take the rest; the keep-alive timeout drops it instead.
+        await eventually(lambda: served.server.connections == 0, timeout_s=10)
+    finally:
+        sock.close()
         await served.server.close()
 
 

@@ -568,7 +568,12 @@ class Connection(asyncio.Protocol):
         if self._receiving and self._task is None:
             self._refuse(408, f"request not received within {self._server.receive_timeout:g} s")
         elif self._task is None:
-            self.close()  # idle keep-alive connection
+            # Idle keep-alive: a client that has not taken the last answer by now stopped reading, and a close
+            # would wait for it forever: drop it.
+            if self.unsent:
+                self.abort()
+            else:
+                self.close()
 
     def pause_reading(self) -> None:
         if not self._reading_paused and self._transport is not None and not self._closed:
@@ -594,6 +599,12 @@ class Connection(asyncio.Protocol):
         client that stopped reading to take it)."""
         if self._transport is not None:
             self._transport.abort()
+
+    @property
+    def unsent(self) -> int:
+        """Bytes of the answer still buffered here: written, not yet taken by the client's socket."""
+        transport = self._transport
+        return 0 if transport is None or transport.is_closing() else transport.get_write_buffer_size()
 
     @property
     def idle(self) -> bool:

@@ -529,6 +529,9 @@ class Proxy:
                 return
             except ConnectionError:
                 return
+            if conn.unsent and self._clock() >= deadline:
+                conn.abort()  # past the deadline with bytes the client has not taken: it stopped reading
+                return
         conn.end()
 
 
