@@ -4,9 +4,10 @@
 `Processes` keeps every process group the run starts so that all are stopped whatever happens; engines
 serve once ``/health`` answers, cache servers once their banner is logged. Model directories live under
 ``.cache/connector_ttft`` (seeded random weights written once with ``--weights random``);
-``ensure_lmcache`` makes ``.venvs/lmcache``. ``stream_completion`` times one greedy streamed request
-(TTFT = send -> first token); ``read_metrics`` reads the counters each request is checked against; `Busy`
-measures the machine's busy share over a span and this run's part of it.
+``ensure_lmcache`` makes ``.venvs/lmcache``; ``kvstack_cache_server`` and ``lmcache_server`` start the two
+tiers. ``stream_completion`` times one greedy streamed request (TTFT = send -> first token);
+``read_metrics`` reads the counters each request is checked against; `Busy` measures the machine's busy
+share over a span and this run's part of it.
 """
 
 from __future__ import annotations
@@ -203,12 +204,18 @@ def start_engines(
 
 
 def kvstack_cache_server(
-    procs: Processes, name: str, cfg: Config, *, events: tuple[int, int] | None = None, node: str = "bench"
+    procs: Processes,
+    name: str,
+    cfg: Config,
+    *,
+    events: tuple[int, int] | None = None,
+    node: str = "bench",
+    chunk: int = CHUNK,
 ) -> tuple[Group, str, str]:
     """A ``kvstack cache-server`` (memory tier); returns its group, endpoint and its command line."""
     endpoint = f"tcp://{HOST}:{free_port()}"
     cmd = [str(KVSTACK), "cache-server", "--bind", endpoint, "--memory-gb", f"{cfg.cache_gb:g}"]
-    cmd += ["--chunk-size", str(CHUNK), "--node", node, "--log-level", "warning"]
+    cmd += ["--chunk-size", str(chunk), "--node", node, "--log-level", "warning"]
     if events is not None:
         cmd += ["--events", f"tcp://{HOST}:{events[0]}", "--events-replay", f"tcp://{HOST}:{events[1]}"]
     group = procs.start(name, cmd)
@@ -216,14 +223,32 @@ def kvstack_cache_server(
     return group, endpoint, shlex.join(cmd)
 
 
-def kvstack_transfer(server: str, model_id: str) -> dict[str, Any]:
+def kvstack_transfer(server: str, model_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     return {
         "kv_connector": "KVStackConnector",
         "kv_connector_module_path": "kvstack.connector.vllm_v1",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": server, "model_id": model_id, "chunk_size": CHUNK},
+        "kv_connector_extra_config": {"server": server, "model_id": model_id, "chunk_size": chunk},
     }
+
+
+def lmcache_server(procs: Processes, name: str, cfg: Config, python: Path) -> tuple[dict[str, Any], str]:
+    """LMCache's multiprocess server (L1 in CPU memory, LRU); returns the ``--kv-transfer-config`` of
+    ``LMCacheMPConnector`` pointing at it, and the server's command line."""
+    port, http_port = free_port(), free_port()
+    cmd = [str(python.parent / "lmcache"), "server", "--host", HOST, "--port", str(port)]
+    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{cfg.cache_gb:g}", "--eviction-policy", "LRU"]
+    cmd += ["--http-host", HOST, "--http-port", str(http_port), "--disable-metrics"]
+    cmd += ["--supported-transfer-mode", "auto"]
+    server = procs.start(name, cmd, env=LMCACHE_ENV)
+    wait_log(server, "LMCache cache server is running", 180)
+    transfer = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{HOST}", "lmcache.mp.port": port},
+    }
+    return transfer, shlex.join(cmd)
 
 
 # -- models ---------------------------------------------------------------------------------------
