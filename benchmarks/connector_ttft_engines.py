@@ -1,13 +1,13 @@
 """A connector_ttft run's settings and its vLLM engines: commands, start-up, one streamed request, /metrics.
 
 `Config` (``quick_config`` for ``--quick``) sets prompts, model, KV blocks, the QA workload and timeouts.
-`Processes` keeps every process group the run starts so that all are stopped whatever happens; engines
-serve once ``/health`` answers, cache servers once their banner is logged. Model directories live under
-``.cache/connector_ttft`` (seeded random weights written once with ``--weights random``);
-``ensure_lmcache`` makes ``.venvs/lmcache``; ``kvstack_cache_server`` and ``lmcache_server`` start the two
-tiers. ``stream_completion`` times one greedy streamed request (TTFT = send -> first token);
-``read_metrics`` reads the counters each request is checked against; `Busy` measures the machine's busy
-share over a span and this run's part of it.
+`Processes` keeps every process group the run starts so that all are stopped whatever happens (``attempt``
+runs a part of it, once more when a port picked free was taken); engines serve once ``/health`` answers,
+cache servers once their banner is logged. Model directories live under ``.cache/connector_ttft`` (seeded
+random weights written once with ``--weights random``); ``ensure_lmcache`` makes ``.venvs/lmcache``;
+``kvstack_cache_server`` and ``lmcache_server`` start the two tiers. ``stream_completion`` times one
+greedy streamed request (TTFT = send -> first token); ``read_metrics`` reads the counters each request is
+checked against; `Busy` measures the machine's busy share over a span and this run's part of it.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import Any
 
 from machine_info import machine_cpu_ticks
 from procs import HOST, KVSTACK, REPO, Group, free_port, get
+from rich.console import Console
 
 from kvstack.devtools.tiny_model import TinyShape, make_tiny_model
 
@@ -90,6 +91,9 @@ class BenchError(Exception):
     """A part of the run that could not be measured as intended; the message says why."""
 
 
+PORT_TAKEN = "Address already in use"
+
+
 # -- processes ------------------------------------------------------------------------------------
 class Processes:
     """Every process group this run started, so that all are stopped whatever happens."""
@@ -112,6 +116,24 @@ class Processes:
         for group in reversed(self.groups):
             group.stop(timeout=30)
         self.groups.clear()
+
+
+def attempt(
+    what: str, body: Callable[[], Any], procs: Processes, report: dict[str, Any], console: Console
+) -> Any:
+    """``body()``, once more when a port picked free was taken before a server bound it (every start picks
+    new ports); any other failure is recorded under ``what`` and the run goes on."""
+    for tries in (1, 2):
+        try:
+            return body()
+        except (BenchError, subprocess.CalledProcessError) as exc:
+            procs.stop_all()
+            if PORT_TAKEN in str(exc) and tries == 1:
+                console.print(f"[yellow]{what}: a port was taken before its server bound it; again[/]")
+                continue
+            report.setdefault("errors", {})[what] = str(exc)
+            console.print(f"[red]{what}: {exc}[/]")
+    return None
 
 
 def log_tail(group: Group, chars: int = 3000) -> str:

@@ -1,0 +1,130 @@
+"""seeds_stack.py's tables and verdicts, from the runs' summaries alone (no I/O).
+
+A row per setup: requests ok / failed, where prompt tokens came from (computed, the engines' own prefix
+cache, the tier: shares of all prompt tokens the engines counted), the share not computed, TTFT p50 / p90
+(client side), each engine's share of the requests. ``compare`` sets each kvstack row against the seeds'
+row of the same run: ratios kvstack ÷ seeds and the targets, met or not: not computed ≥
+``TARGET_NOT_COMPUTED`` and TTFT p50 ≤ ``TARGET_TTFT_RATIO`` times the seeds'.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from connector_ttft_report import fmt
+from results import ratio
+
+TARGET_NOT_COMPUTED = 0.84
+TARGET_TTFT_RATIO = 0.8
+
+COLUMNS = (
+    "setup",
+    "ok / failed",
+    "not computed",
+    "computed",
+    "GPU prefix cache",
+    "tier",
+    "TTFT p50 ms",
+    "TTFT p90 ms",
+    "later rounds p50 ms",
+    "requests A / B",
+    "preemptions",
+    "busy % (this run)",
+)
+COMPARE_COLUMNS = (
+    "kvstack setup",
+    "not computed ÷ seeds",
+    "TTFT p50 ÷ seeds",
+    "TTFT p90 ÷ seeds",
+    f"not computed ≥ {TARGET_NOT_COMPUTED}",
+    f"TTFT p50 ≤ {TARGET_TTFT_RATIO} of seeds'",
+)
+
+
+def not_computed(summary: dict[str, Any]) -> float | None:
+    share = summary.get("computed_share")
+    return None if share is None else 1 - share
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{1000 * v:.0f}"
+
+
+def request_shares(summary: dict[str, Any]) -> list[float | None]:
+    """Each engine's share of the finished requests, from the engines' own counters."""
+    view = summary.get("bench_engine_view") or {}
+    return [e.get("load_share") for e in view.get("engines", [])]
+
+
+def rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    out = []
+    for run in runs:
+        s = run.get("summary")
+        if not s:
+            continue
+        m = run.get("machine", {})
+        shares = " / ".join("-" if v is None else f"{100 * v:.0f}%" for v in request_shares(s))
+        out.append(
+            [
+                run["setup"]["label"],
+                f"{s['ok']} / {s['requests'] - s['ok']}",
+                _pct(not_computed(s)),
+                _pct(s["computed_share"]),
+                _pct(s["local_hit_share"]),
+                _pct(s["external_share"]),
+                _ms(s["ttft_p50_s"]),
+                _ms(s["ttft_p90_s"]),
+                _ms(s["later_ttft_p50_s"]),
+                shares or "-",
+                fmt(s["preemptions"], 0),
+                f"{fmt(m.get('machine_busy_pct'), 0)} ({fmt(m.get('this_run_pct'), 0)})",
+            ]
+        )
+    return out
+
+
+def compare(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every kvstack row against the seeds' row: ratios and the two targets (None = unknown)."""
+    seeds = next((r["summary"] for r in runs if r["setup"]["stack"] == "seeds" and r.get("summary")), None)
+    out = []
+    for run in runs:
+        s = run.get("summary")
+        if run["setup"]["stack"] != "kvstack" or not s:
+            continue
+        nc = not_computed(s)
+        p50 = ratio(s["ttft_p50_s"], seeds["ttft_p50_s"]) if seeds else None
+        out.append(
+            {
+                "label": run["setup"]["label"],
+                "not_computed": nc,
+                "not_computed_ratio": ratio(nc, not_computed(seeds)) if seeds else None,
+                "ttft_p50_ratio": p50,
+                "ttft_p90_ratio": ratio(s["ttft_p90_s"], seeds["ttft_p90_s"]) if seeds else None,
+                "not_computed_met": None if nc is None else nc >= TARGET_NOT_COMPUTED,
+                "ttft_met": None if p50 is None else p50 <= TARGET_TTFT_RATIO,
+            }
+        )
+    return out
+
+
+def verdict(met: bool | None) -> str:
+    return {True: "met", False: "not met", None: "unknown"}[met]
+
+
+def compare_rows(comparisons: Sequence[dict[str, Any]]) -> list[list[str]]:
+    return [
+        [
+            c["label"],
+            fmt(c["not_computed_ratio"]),
+            fmt(c["ttft_p50_ratio"]),
+            fmt(c["ttft_p90_ratio"]),
+            f"{verdict(c['not_computed_met'])} ({_pct(c['not_computed'])})",
+            verdict(c["ttft_met"]),
+        ]
+        for c in comparisons
+    ]

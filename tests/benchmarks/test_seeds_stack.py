@@ -1,0 +1,97 @@
+"""benchmarks/seeds_stack.py's pure parts: its command line, the rows it plans, and the report's ratios and
+targets (the scripts import their siblings by bare name, so benchmarks/ goes on the path)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+def _module(name: str) -> ModuleType:
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    return importlib.import_module(name)
+
+
+def _run(
+    stack: str, label: str, computed: float, p50: float, p90: float, shares: list[float]
+) -> dict[str, Any]:
+    summary = {
+        "requests": 32,
+        "ok": 31,
+        "computed_share": computed,
+        "local_hit_share": 0.5,
+        "external_share": 0.5 - computed,
+        "ttft_p50_s": p50,
+        "ttft_p90_s": p90,
+        "later_ttft_p50_s": p50 / 2,
+        "preemptions": 0.0,
+        "bench_engine_view": {"engines": [{"load_share": s} for s in shares]},
+    }
+    setup = {"label": label, "stack": stack}
+    return {"setup": setup, "summary": summary, "machine": {"machine_busy_pct": 97.0, "this_run_pct": 80.0}}
+
+
+def test_the_seeds_stack_needs_production_stack_source(capsys: pytest.CaptureFixture[str]) -> None:
+    seeds = _module("seeds_stack")
+    with pytest.raises(SystemExit):
+        seeds.parse_args([])
+    assert "--production-stack-src" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        seeds.parse_args(["--only", "kvstack,vllm-router"])
+    assert "unknown stacks ['vllm-router']" in capsys.readouterr().err
+    assert seeds.parse_args(["--only", "kvstack"]).stacks == ["kvstack"]
+
+
+def test_plan_puts_both_stacks_first_then_each_lever() -> None:
+    seeds = _module("seeds_stack")
+    args = seeds.parse_args(["--production-stack-src", "/ps", "--levers", "--ceiling", "--blocks", "30"])
+    setups = seeds.plan(args)
+    assert [(s.label, s.stack, s.blocks, s.chunk) for s in setups] == [
+        ("kvstack", "kvstack", 30, 256),
+        ("seeds", "seeds", 30, 256),
+        ("kvstack-chunk128", "kvstack", 30, 128),
+        ("kvstack-spare-kv", "kvstack", 400, 256),
+    ]
+    assert [
+        s.label
+        for s in seeds.plan(
+            seeds.parse_args(["--only", "seeds", "--production-stack-src", "/ps", "--levers"])
+        )
+    ] == ["seeds"]
+
+
+def test_compare_sets_every_kvstack_row_against_the_seeds_row() -> None:
+    report = _module("seeds_stack_report")
+    runs = [
+        _run("kvstack", "kvstack", 0.20, 0.040, 0.200, [0.5, 0.5]),
+        _run("seeds", "seeds", 0.25, 0.050, 0.400, [0.625, 0.375]),
+        _run("kvstack", "kvstack-chunk128", 0.15, 0.030, 0.100, [0.5, 0.5]),
+    ]
+    first, lever = report.compare(runs)
+    assert first["label"] == "kvstack"
+    assert first["not_computed"] == pytest.approx(0.80)
+    assert first["not_computed_ratio"] == pytest.approx(0.80 / 0.75)
+    assert first["ttft_p50_ratio"] == pytest.approx(0.8)
+    assert first["ttft_p90_ratio"] == pytest.approx(0.5)
+    assert (first["not_computed_met"], first["ttft_met"]) == (False, True)
+    assert (lever["not_computed_met"], lever["ttft_met"]) == (True, True)
+    rows = report.rows(runs)
+    assert rows[1][:3] == ["seeds", "31 / 1", "75.0%"]
+    assert rows[1][9] == "62% / 38%"
+    assert report.compare_rows([first])[0][4:] == ["not met (80.0%)", "met"]
+
+
+def test_without_a_seeds_row_the_ratios_and_the_ttft_target_are_unknown() -> None:
+    report = _module("seeds_stack_report")
+    (only,) = report.compare([_run("kvstack", "kvstack", 0.10, 0.040, 0.2, [1.0, 0.0])])
+    assert only["not_computed_ratio"] is None and only["ttft_p50_ratio"] is None
+    assert (only["not_computed_met"], only["ttft_met"]) == (True, None)
+    assert report.compare_rows([only])[0][5] == "unknown"
