@@ -47,7 +47,7 @@ from machine_info import machine
 from procs import KVSTACK, REPO
 from results import git_state, write_json
 from rich.console import Console
-from seeds_stack_report import COLUMNS, COMPARE_COLUMNS, compare, compare_rows, rows
+from seeds_stack_report import COLUMNS, COMPARE_COLUMNS, compare, compare_rows, round_rows, rows
 from seeds_stack_stacks import (
     Front,
     Setup,
@@ -208,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         console.print(rich_table(title, COLUMNS, table))
     if comparisons:
         console.print(rich_table("kvstack ÷ seeds (same run)", COMPARE_COLUMNS, comparisons))
+    by_round = round_rows(runs)
+    round_columns = ("setup", *(f"round {i}" for i in range(args.rounds)))
+    if by_round:
+        title = "Computed share of each round's prompt tokens (requests computing > 1 block), from usage"
+        console.print(rich_table(title, round_columns, by_round))
     for name, error in report.get("errors", {}).items():
         console.print(f"[red]error in {name}: {error[:2000]}[/]")
     elapsed = round(time.monotonic() - t0, 1)
@@ -222,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         "stopped": stopped,
         "elapsed_s": elapsed,
         "work_dir": str(args.work),
-        "markdown": markdown_table(COLUMNS, table) + "\n" + markdown_table(COMPARE_COLUMNS, comparisons),
+        "markdown": "\n".join(
+            markdown_table(c, r)
+            for c, r in ((COLUMNS, table), (COMPARE_COLUMNS, comparisons), (round_columns, by_round))
+        ),
     }
     write_json(results, out, default=str)
     console.print(f"results: {results} ({elapsed} s); logs and bench reports in {args.work}")

@@ -4,7 +4,9 @@ A row per setup: requests ok / failed, where prompt tokens came from (computed, 
 cache, the tier: shares of all prompt tokens the engines counted), the share not computed, TTFT p50 / p90
 (client side), each engine's share of the requests. ``compare`` sets each kvstack row against the seeds'
 row of the same run: ratios kvstack ÷ seeds and the targets, met or not: not computed ≥
-``TARGET_NOT_COMPUTED`` and TTFT p50 ≤ ``TARGET_TTFT_RATIO`` times the seeds'.
+``TARGET_NOT_COMPUTED`` and TTFT p50 ≤ ``TARGET_TTFT_RATIO`` times the seeds'. ``by_round``: where the
+computed tokens were, round by round, from each response's usage (prompt minus cached tokens; vLLM counts
+tokens from its prefix cache and from the tier as cached).
 """
 
 from __future__ import annotations
@@ -109,6 +111,36 @@ def compare(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_met": None if p50 is None else p50 <= TARGET_TTFT_RATIO,
             }
         )
+    return out
+
+
+def by_round(requests: Sequence[tuple[int, int | None, int | None]]) -> list[dict[str, Any]]:
+    """Per round, from (round, prompt tokens, cached tokens) of each answered request: requests, prompt and
+    computed tokens (prompt - cached), and the requests that computed more than one block's worth (128)."""
+    out: dict[int, dict[str, Any]] = {}
+    for rnd, prompt, cached in requests:
+        if prompt is None or cached is None:
+            continue
+        row = out.setdefault(rnd, {"round": rnd, "requests": 0, "prompt": 0, "computed": 0, "over_block": 0})
+        row["requests"] += 1
+        row["prompt"] += prompt
+        row["computed"] += prompt - cached
+        row["over_block"] += prompt - cached > 128
+    return [out[r] for r in sorted(out)]
+
+
+def round_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
+    """One row per setup: each round's computed tokens as a share of that round's prompt tokens, and how
+    many of its requests computed more than a block."""
+    out = []
+    for run in runs:
+        rounds = (run.get("summary") or {}).get("by_round") or []
+        cells = [
+            f"{_pct(r['computed'] / r['prompt'] if r['prompt'] else None)} ({r['over_block']})"
+            for r in rounds
+        ]
+        if cells:
+            out.append([run["setup"]["label"], *cells])
     return out
 
 

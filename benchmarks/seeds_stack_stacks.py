@@ -50,6 +50,7 @@ from connector_ttft_engines import (
 )
 from connector_ttft_qa import qa_summary, wait_router
 from procs import HOST, KVSTACK, OFFLINE, REPO, free_port
+from seeds_stack_report import by_round
 
 from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
 
@@ -257,6 +258,8 @@ def run_setup(
         per_engine = [delta(b, a) for b, a in zip(before, after, strict=True)]
         info["engines"] = [{"url": e.url, **d} for e, d in zip(front.engines, per_engine, strict=True)]
         info["summary"] = qa_summary(per_engine, result)
+        usage = [(r.round, r.prompt_tokens, r.cached_tokens) for r in result.records if r.ok]
+        info["summary"]["by_round"] = by_round(usage)
         lengths = [r.prompt_tokens for r in result.records if r.prompt_tokens]
         info["summary"]["prompt_tokens_min_max"] = [min(lengths), max(lengths)] if lengths else None
         info["log_tails"] = {g.name: log_tail(g, 2000) for g in procs.groups}

@@ -95,3 +95,14 @@ def test_without_a_seeds_row_the_ratios_and_the_ttft_target_are_unknown() -> Non
     assert only["not_computed_ratio"] is None and only["ttft_p50_ratio"] is None
     assert (only["not_computed_met"], only["ttft_met"]) == (True, None)
     assert report.compare_rows([only])[0][5] == "unknown"
+
+
+def test_by_round_counts_computed_tokens_and_requests_over_a_block() -> None:
+    report = _module("seeds_stack_report")
+    rounds = report.by_round([(0, 1640, 1024), (0, 1640, 0), (1, 1700, 1664), (1, 1700, 1536), (1, 9, None)])
+    assert rounds == [
+        {"round": 0, "requests": 2, "prompt": 3280, "computed": 2256, "over_block": 2},
+        {"round": 1, "requests": 2, "prompt": 3400, "computed": 200, "over_block": 1},
+    ]
+    run = {"setup": {"label": "seeds"}, "summary": {"by_round": rounds}}
+    assert report.round_rows([run]) == [["seeds", "68.8% (2)", "5.9% (1)"]]
