@@ -11,7 +11,8 @@ tokens, so about three conversations fit per engine), each request carrying its 
   cache-server``, ``KVStackConnector`` (chunks of 256 tokens).
 - seeds: production-stack's router (``--routing-logic session --session-key x-user-id``, static discovery),
   LMCache 0.5.6's ``lmcache server`` (chunks of 256) and vLLM's ``LMCacheMPConnector``.
-- ``--levers``: kvstack once more per lever, one at a time (``chunk_size: 128``, the engine's block size);
+- ``--levers``: kvstack once more per lever, one at a time (``chunk_size: 128``, the engine's block size;
+  session-affinity-scorer weight 1 on the user header added to kv-aware, to keep a conversation in place);
   ``--ceiling``: kvstack with KV to spare (``--ceiling-blocks``), the workload's ceiling of not computed.
 
 Per setup, from each engine's ``vllm:prompt_tokens_by_source_total`` before and after: shares of prompt
@@ -72,7 +73,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a checkout of vllm-project/production-stack (holding src/vllm_router); it is not on PyPI",
     )
     parser.add_argument("--only", default=",".join(STACKS), help=f"comma-separated subset of {STACKS}")
-    parser.add_argument("--levers", action="store_true", help="kvstack once more per lever (chunk_size 128)")
+    parser.add_argument(
+        "--levers", action="store_true", help="kvstack once more per lever (chunk_size 128, session affinity)"
+    )
     parser.add_argument("--ceiling", action="store_true", help="kvstack with KV to spare (--ceiling-blocks)")
     parser.add_argument("--blocks", type=int, default=40, help="KV blocks of 128 tokens per engine (40)")
     parser.add_argument("--ceiling-blocks", type=int, default=400, help="blocks per engine with --ceiling")
@@ -110,6 +113,8 @@ def plan(args: argparse.Namespace) -> list[Setup]:
     setups = [Setup(stack, stack, args.blocks) for stack in STACKS if stack in args.stacks]
     if "kvstack" in args.stacks and args.levers:
         setups.append(Setup("kvstack-chunk128", "kvstack", args.blocks, chunk=128, lever="chunk_size: 128"))
+        lever = f"kv-aware + session-affinity-scorer weight 1 on {args.session_header}"
+        setups.append(Setup("kvstack-session", "kvstack", args.blocks, session_weight=1, lever=lever))
     if "kvstack" in args.stacks and args.ceiling:
         lever = f"KV to spare: {args.ceiling_blocks} blocks per engine"
         setups.append(Setup("kvstack-spare-kv", "kvstack", args.ceiling_blocks, lever=lever))
@@ -140,7 +145,7 @@ def run(args: argparse.Namespace, cfg: Config, report: dict[str, Any], console: 
     report["workload"] = asdict(qa_workload(cfg))
     procs = Processes(args.work / "logs")
     starters: dict[str, Callable[[Setup], Front]] = {
-        "kvstack": lambda setup: start_kvstack(procs, setup, cfg, model)
+        "kvstack": lambda setup: start_kvstack(procs, setup, cfg, model, args.work, args.session_header)
     }
     if any(s.stack == "seeds" for s in setups):
         ps_root = production_stack_root(args.production_stack_src)

@@ -4,8 +4,9 @@ A `Setup` is one row: ``kvstack`` (``kvstack router --routing kv-aware`` reading
 the cache server's chunk events, ``kvstack cache-server``, ``KVStackConnector`` in ``.venvs/vllm``) or
 ``seeds`` (production-stack's router, ``--routing-logic session --session-key <header>`` over static
 discovery, LMCache 0.5.6's ``lmcache server`` and ``LMCacheMPConnector`` in ``.venvs/lmcache``), with its
-levers: the kvstack connector's chunk size, the engines' KV blocks. Both stacks' engines get the same
-command but for ``--kv-transfer-config`` (both publish KV events; only kvstack's router reads them).
+levers: the kvstack connector's chunk size, the engines' KV blocks, session affinity added to kv-aware
+(``kv_aware_with_session``). Both stacks' engines get the same command but for ``--kv-transfer-config``
+(both publish KV events; only kvstack's router reads them).
 
 ``ensure_production_stack`` makes ``.venvs/production-stack`` (the router's ``requirements.txt`` from PyPI;
 its source from ``--production-stack-src``: it is not on PyPI, whose ``vllm-router`` is the Rust router).
@@ -53,6 +54,7 @@ from procs import HOST, KVSTACK, OFFLINE, REPO, free_port
 from seeds_stack_report import by_round
 
 from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
+from kvstack.scheduling.presets import PRESETS
 
 PS_VENV = REPO / ".venvs" / "production-stack"
 PS_REQUIREMENTS = Path("src") / "vllm_router" / "requirements.txt"
@@ -67,6 +69,7 @@ class Setup:
     stack: str  # kvstack | seeds
     blocks: int
     chunk: int = CHUNK  # kvstack's connector and cache server (LMCache's server keeps CHUNK)
+    session_weight: int = 0  # kvstack: session-affinity-scorer on the session header added to kv-aware
     lever: str | None = None  # what this row changes against its stack's base row
 
 
@@ -131,6 +134,17 @@ def source_commit(root: Path) -> str | None:
 
 
 # -- the stacks -------------------------------------------------------------------------------------------
+def kv_aware_with_session(weight: int) -> str:
+    """The kv-aware preset's YAML with session-affinity-scorer added at ``weight``: a conversation stays on
+    its engine when the prefix scores (weight 3) and load do not tell the engines apart by more."""
+    text = PRESETS["kv-aware"]
+    picker, ref = "- type: max-score-picker\n", "  - pluginRef: max-score-picker\n"
+    if text.count(picker) != 1 or text.count(ref) != 1:
+        raise BenchError("the kv-aware preset changed shape: update seeds_stack_stacks.kv_aware_with_session")
+    text = text.replace(picker, "- type: session-affinity-scorer\n" + picker)
+    return text.replace(ref, f"  - pluginRef: session-affinity-scorer\n    weight: {weight}\n" + ref)
+
+
 def _engines(
     procs: Processes,
     setup: Setup,
@@ -161,7 +175,7 @@ def _engines(
     return start_engines(procs, specs, ports, cfg)
 
 
-def start_kvstack(procs: Processes, setup: Setup, cfg: Config, model: Path) -> Front:
+def start_kvstack(procs: Processes, setup: Setup, cfg: Config, model: Path, work: Path, header: str) -> Front:
     node = "bench"
     ev, replay = free_port(), free_port()
     _, endpoint, server_cmd = kvstack_cache_server(
@@ -170,7 +184,15 @@ def start_kvstack(procs: Processes, setup: Setup, cfg: Config, model: Path) -> F
     transfer = kvstack_transfer(endpoint, f"{MODEL}-{cfg.weights}", setup.chunk)
     engines = _engines(procs, setup, cfg, model, VLLM_PYTHON, transfer)
     port = free_port()
-    cmd = [str(KVSTACK), "router", "--host", HOST, "--port", str(port), "--routing", "kv-aware"]
+    routing = "kv-aware"
+    if setup.session_weight:
+        (config := work / f"{setup.label}-routing.yaml").write_text(
+            kv_aware_with_session(setup.session_weight)
+        )
+        routing = str(config)
+    cmd = [str(KVSTACK), "router", "--host", HOST, "--port", str(port), "--routing", routing]
+    if setup.session_weight:
+        cmd += ["--session-header", header]
     for e in engines:
         cmd += ["--engine", f"{e.url}#node={node}"]
     cmd += ["--tokenizer", str(model), "--log-level", "warning"]

@@ -11,6 +11,9 @@ from typing import Any
 
 import pytest
 
+from kvstack.scheduling.config import parse_config
+from kvstack.scheduling.presets import preset_config
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
@@ -58,8 +61,10 @@ def test_plan_puts_both_stacks_first_then_each_lever() -> None:
         ("kvstack", "kvstack", 30, 256),
         ("seeds", "seeds", 30, 256),
         ("kvstack-chunk128", "kvstack", 30, 128),
+        ("kvstack-session", "kvstack", 30, 256),
         ("kvstack-spare-kv", "kvstack", 400, 256),
     ]
+    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0]
     assert [
         s.label
         for s in seeds.plan(
@@ -106,3 +111,14 @@ def test_by_round_counts_computed_tokens_and_requests_over_a_block() -> None:
     ]
     run = {"setup": {"label": "seeds"}, "summary": {"by_round": rounds}}
     assert report.round_rows([run]) == [["seeds", "68.8% (2)", "5.9% (1)"]]
+
+
+def test_the_session_lever_is_kv_aware_plus_session_affinity() -> None:
+    stacks = _module("seeds_stack_stacks")
+    config = parse_config(stacks.kv_aware_with_session(1), "<lever>")
+    kv_aware = preset_config("kv-aware")
+    (profile,) = config.profiles
+    (base,) = kv_aware.profiles
+    weights = {p.ref: p.weight for p in profile.plugins}
+    assert weights.pop("session-affinity-scorer") == 1
+    assert weights == {p.ref: p.weight for p in base.plugins}
