@@ -39,7 +39,9 @@ def _run(
         "bench_engine_view": {"engines": [{"load_share": s} for s in shares]},
     }
     setup = {"label": label, "stack": stack}
-    return {"setup": setup, "summary": summary, "machine": {"machine_busy_pct": 97.0, "this_run_pct": 80.0}}
+    engines = [{"ttft_sum": 1.0, "ttft_count": 10.0}, {"ttft_sum": 3.0, "ttft_count": 10.0}]
+    machine = {"machine_busy_pct": 97.0, "this_run_pct": 80.0}
+    return {"setup": setup, "summary": summary, "engines": engines, "machine": machine}
 
 
 def test_the_seeds_stack_needs_production_stack_source(capsys: pytest.CaptureFixture[str]) -> None:
@@ -90,8 +92,11 @@ def test_compare_sets_every_kvstack_row_against_the_seeds_row() -> None:
     assert (lever["not_computed_met"], lever["ttft_met"]) == (True, True)
     rows = report.rows(runs)
     assert rows[1][:3] == ["seeds", "31 / 1", "75.0%"]
-    assert rows[1][9] == "62% / 38%"
-    assert report.compare_rows([first])[0][4:] == ["not met (80.0%)", "met"]
+    assert rows[1][9:11] == ["200", "62% / 38%"]
+    assert report.compare_rows([first])[0][5:] == ["not met (80.0%)", "met"]
+    assert first["of_ceiling"] is None
+    ceiling = report.compare([*runs, _run("kvstack", report.CEILING_LABEL, 0.1, 0.03, 0.1, [0.5, 0.5])])
+    assert [c["of_ceiling"] for c in ceiling] == pytest.approx([0.8 / 0.9, 0.85 / 0.9, 1.0])
 
 
 def test_without_a_seeds_row_the_ratios_and_the_ttft_target_are_unknown() -> None:
@@ -99,7 +104,7 @@ def test_without_a_seeds_row_the_ratios_and_the_ttft_target_are_unknown() -> Non
     (only,) = report.compare([_run("kvstack", "kvstack", 0.10, 0.040, 0.2, [1.0, 0.0])])
     assert only["not_computed_ratio"] is None and only["ttft_p50_ratio"] is None
     assert (only["not_computed_met"], only["ttft_met"]) == (True, None)
-    assert report.compare_rows([only])[0][5] == "unknown"
+    assert report.compare_rows([only])[0][6] == "unknown"
 
 
 def test_by_round_counts_computed_tokens_and_requests_over_a_block() -> None:
