@@ -7,7 +7,8 @@ kvstack row against the seeds' row of the same run and the ceiling row (``CEILIN
 ratios kvstack ÷ seeds, not computed ÷ the ceiling's, and the targets, met or not: not computed ≥
 ``TARGET_NOT_COMPUTED`` and TTFT p50 ≤ ``TARGET_TTFT_RATIO`` times the seeds'. ``by_round``: where the
 computed tokens were, round by round, from each response's usage (prompt minus cached tokens; vLLM counts
-tokens from its prefix cache and from the tier as cached).
+tokens from its prefix cache and from the tier as cached); ``moves``: how often a conversation changed
+engine between rounds, and what a moved round computed against one that stayed.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ COLUMNS = (
     "later rounds p50 ms",
     "engine TTFT mean ms",
     "requests A / B",
+    "moved rounds (computed: moved / stayed)",
     "preemptions",
     "busy % (this run)",
 )
@@ -95,6 +97,7 @@ def rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:
                 _ms(s["later_ttft_p50_s"]),
                 _ms(engine_ttft(run)),
                 shares or "-",
+                move_cell(s),
                 fmt(s["preemptions"], 0),
                 f"{fmt(m.get('machine_busy_pct'), 0)} ({fmt(m.get('this_run_pct'), 0)})",
             ]
@@ -144,6 +147,38 @@ def by_round(requests: Sequence[tuple[int, int | None, int | None]]) -> list[dic
         row["computed"] += prompt - cached
         row["over_block"] += prompt - cached > 128
     return [out[r] for r in sorted(out)]
+
+
+def moves(requests: Sequence[tuple[int, int, str | None, int | None, int | None]]) -> dict[str, Any] | None:
+    """Rounds served by another engine than their conversation's previous round, from (session, round,
+    engine, prompt tokens, cached tokens) of each answered request; the mean computed tokens of moved and
+    of staying rounds. None when no response named its engine (only kvstack's router names it)."""
+    served = {(s, r): (e, p, c) for s, r, e, p, c in requests if e is not None}
+    if not served:
+        return None
+    moved: list[int] = []
+    stayed: list[int] = []
+    for (session, rnd), (engine, prompt, cached) in served.items():
+        previous = served.get((session, rnd - 1))
+        if previous is None or prompt is None or cached is None:
+            continue
+        (moved if engine != previous[0] else stayed).append(prompt - cached)
+    return {
+        "moved": len(moved),
+        "later_rounds": len(moved) + len(stayed),
+        "computed_mean_moved": sum(moved) / len(moved) if moved else None,
+        "computed_mean_stayed": sum(stayed) / len(stayed) if stayed else None,
+    }
+
+
+def move_cell(summary: dict[str, Any]) -> str:
+    m = summary.get("moves")
+    if not m:
+        return "-"
+    return (
+        f"{m['moved']}/{m['later_rounds']} ({fmt(m['computed_mean_moved'], 0)} / "
+        f"{fmt(m['computed_mean_stayed'], 0)})"
+    )
 
 
 def round_rows(runs: Sequence[dict[str, Any]]) -> list[list[str]]:

@@ -51,7 +51,7 @@ from connector_ttft_engines import (
 )
 from connector_ttft_qa import qa_summary, wait_router
 from procs import HOST, KVSTACK, OFFLINE, REPO, free_port
-from seeds_stack_report import by_round
+from seeds_stack_report import by_round, moves
 
 from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
 from kvstack.scheduling.presets import PRESETS
@@ -282,6 +282,10 @@ def run_setup(
         info["summary"] = qa_summary(per_engine, result)
         usage = [(r.round, r.prompt_tokens, r.cached_tokens) for r in result.records if r.ok]
         info["summary"]["by_round"] = by_round(usage)
+        served = [
+            (r.session, r.round, r.engine, r.prompt_tokens, r.cached_tokens) for r in result.records if r.ok
+        ]
+        info["summary"]["moves"] = moves(served)
         lengths = [r.prompt_tokens for r in result.records if r.prompt_tokens]
         info["summary"]["prompt_tokens_min_max"] = [min(lengths), max(lengths)] if lengths else None
         info["log_tails"] = {g.name: log_tail(g, 2000) for g in procs.groups}

@@ -92,7 +92,7 @@ def test_compare_sets_every_kvstack_row_against_the_seeds_row() -> None:
     assert (lever["not_computed_met"], lever["ttft_met"]) == (True, True)
     rows = report.rows(runs)
     assert rows[1][:3] == ["seeds", "31 / 1", "75.0%"]
-    assert rows[1][9:11] == ["200", "62% / 38%"]
+    assert rows[1][9:12] == ["200", "62% / 38%", "-"]
     assert report.compare_rows([first])[0][5:] == ["not met (80.0%)", "met"]
     assert first["of_ceiling"] is None
     ceiling = report.compare([*runs, _run("kvstack", report.CEILING_LABEL, 0.1, 0.03, 0.1, [0.5, 0.5])])
@@ -127,3 +127,18 @@ def test_the_session_lever_is_kv_aware_plus_session_affinity() -> None:
     weights = {p.ref: p.weight for p in profile.plugins}
     assert weights.pop("session-affinity-scorer") == 1
     assert weights == {p.ref: p.weight for p in base.plugins}
+
+
+def test_moves_count_rounds_served_by_another_engine_than_the_previous_round() -> None:
+    report = _module("seeds_stack_report")
+    served = [
+        (0, 0, "A", 1640, 0),
+        (0, 1, "A", 1700, 1536),  # stayed: 164 computed
+        (0, 2, "B", 1750, 1536),  # moved: 214
+        (1, 0, "B", 1640, 0),
+        (1, 2, "A", 1750, 1700),  # round 1 failed: not counted
+    ]
+    m = report.moves(served)
+    assert m == {"moved": 1, "later_rounds": 2, "computed_mean_moved": 214, "computed_mean_stayed": 164}
+    assert report.move_cell({"moves": m}) == "1/2 (214 / 164)"
+    assert report.moves([(0, 0, None, 1640, 0), (0, 1, None, 1700, 1536)]) is None
