@@ -142,3 +142,13 @@ def test_moves_count_rounds_served_by_another_engine_than_the_previous_round() -
     assert m == {"moved": 1, "later_rounds": 2, "computed_mean_moved": 214, "computed_mean_stayed": 164}
     assert report.move_cell({"moves": m}) == "1/2 (214 / 164)"
     assert report.moves([(0, 0, None, 1640, 0), (0, 1, None, 1700, 1536)]) is None
+
+
+def test_production_stack_source_is_the_checkout_or_its_src(tmp_path: Path) -> None:
+    stacks = _module("seeds_stack_stacks")
+    (tmp_path / "src" / "vllm_router").mkdir(parents=True)
+    (tmp_path / "src" / "vllm_router" / "requirements.txt").write_text("fastapi\n")
+    assert stacks.production_stack_root(tmp_path) == tmp_path
+    assert stacks.production_stack_root(tmp_path / "src") == tmp_path
+    with pytest.raises(stacks.BenchError, match="archive HEAD src"):
+        stacks.production_stack_root(tmp_path / "src" / "vllm_router")
