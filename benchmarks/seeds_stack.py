@@ -25,7 +25,7 @@ runs, ``.venvs/production-stack``), ``seeds_stack_report.py`` (tables, verdicts)
 ports, every process in its own session stopped by its group id; no setup starts after ``--budget``
 seconds. Results: ``.cache/bench/seeds_stack/<UTC>.json``; the current result: docs/benchmarks/seeds-stack.md.
 
-    .venvs/dev/bin/python benchmarks/seeds_stack.py --production-stack-src DIR            # ~8 min
+    .venvs/dev/bin/python benchmarks/seeds_stack.py --production-stack-src DIR            # ~6 min
     .venvs/dev/bin/python benchmarks/seeds_stack.py --production-stack-src DIR --levers   # + ~3 min a lever
 """
 
