@@ -52,11 +52,10 @@ from __future__ import annotations
 import argparse
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -64,9 +63,9 @@ from typing import Any
 
 from connector_ttft_engines import (
     VLLM_PYTHON,
-    BenchError,
     Config,
     Processes,
+    attempt,
     ensure_lmcache,
     ensure_model,
     quick_config,
@@ -94,27 +93,6 @@ OUT_DIR = REPO / ".cache" / "bench" / "connector_ttft"
 
 
 # -- main ---------------------------------------------------------------------------------------------
-PORT_TAKEN = "Address already in use"
-
-
-def attempt(
-    what: str, body: Callable[[], Any], procs: Processes, report: dict[str, Any], console: Console
-) -> Any:
-    """``body()``, once more when a port picked free was taken before a server bound it (every start picks
-    new ports); any other failure is recorded under ``what`` and the run goes on."""
-    for tries in (1, 2):
-        try:
-            return body()
-        except (BenchError, subprocess.CalledProcessError) as exc:
-            procs.stop_all()
-            if PORT_TAKEN in str(exc) and tries == 1:
-                console.print(f"[yellow]{what}: a port was taken before its server bound it; again[/]")
-                continue
-            report.setdefault("errors", {})[what] = str(exc)
-            console.print(f"[red]{what}: {exc}[/]")
-    return None
-
-
 def run(
     cfg: Config, sections: Sequence[str], args: argparse.Namespace, report: dict[str, Any], console: Console
 ) -> None:

@@ -1,12 +1,13 @@
 """A connector_ttft run's settings and its vLLM engines: commands, start-up, one streamed request, /metrics.
 
 `Config` (``quick_config`` for ``--quick``) sets prompts, model, KV blocks, the QA workload and timeouts.
-`Processes` keeps every process group the run starts so that all are stopped whatever happens; engines
-serve once ``/health`` answers, cache servers once their banner is logged. Model directories live under
-``.cache/connector_ttft`` (seeded random weights written once with ``--weights random``);
-``ensure_lmcache`` makes ``.venvs/lmcache``. ``stream_completion`` times one greedy streamed request
-(TTFT = send -> first token); ``read_metrics`` reads the counters each request is checked against; `Busy`
-measures the machine's busy share over a span and this run's part of it.
+`Processes` keeps every process group the run starts so that all are stopped whatever happens (``attempt``
+runs a part of it, once more when a port picked free was taken); engines serve once ``/health`` answers,
+cache servers once their banner is logged. Model directories live under ``.cache/connector_ttft`` (seeded
+random weights written once with ``--weights random``); ``ensure_lmcache`` makes ``.venvs/lmcache``;
+``kvstack_cache_server`` and ``lmcache_server`` start the two tiers. ``stream_completion`` times one
+greedy streamed request (TTFT = send -> first token); ``read_metrics`` reads the counters each request is
+checked against; `Busy` measures the machine's busy share over a span and this run's part of it.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from typing import Any
 
 from machine_info import machine_cpu_ticks
 from procs import HOST, KVSTACK, REPO, Group, free_port, get
+from rich.console import Console
 
 from kvstack.devtools.tiny_model import TinyShape, make_tiny_model
 
@@ -89,6 +91,9 @@ class BenchError(Exception):
     """A part of the run that could not be measured as intended; the message says why."""
 
 
+PORT_TAKEN = "Address already in use"
+
+
 # -- processes ------------------------------------------------------------------------------------
 class Processes:
     """Every process group this run started, so that all are stopped whatever happens."""
@@ -111,6 +116,24 @@ class Processes:
         for group in reversed(self.groups):
             group.stop(timeout=30)
         self.groups.clear()
+
+
+def attempt(
+    what: str, body: Callable[[], Any], procs: Processes, report: dict[str, Any], console: Console
+) -> Any:
+    """``body()``, once more when a port picked free was taken before a server bound it (every start picks
+    new ports); any other failure is recorded under ``what`` and the run goes on."""
+    for tries in (1, 2):
+        try:
+            return body()
+        except (BenchError, subprocess.CalledProcessError) as exc:
+            procs.stop_all()
+            if PORT_TAKEN in str(exc) and tries == 1:
+                console.print(f"[yellow]{what}: a port was taken before its server bound it; again[/]")
+                continue
+            report.setdefault("errors", {})[what] = str(exc)
+            console.print(f"[red]{what}: {exc}[/]")
+    return None
 
 
 def log_tail(group: Group, chars: int = 3000) -> str:
@@ -203,12 +226,18 @@ def start_engines(
 
 
 def kvstack_cache_server(
-    procs: Processes, name: str, cfg: Config, *, events: tuple[int, int] | None = None, node: str = "bench"
+    procs: Processes,
+    name: str,
+    cfg: Config,
+    *,
+    events: tuple[int, int] | None = None,
+    node: str = "bench",
+    chunk: int = CHUNK,
 ) -> tuple[Group, str, str]:
     """A ``kvstack cache-server`` (memory tier); returns its group, endpoint and its command line."""
     endpoint = f"tcp://{HOST}:{free_port()}"
     cmd = [str(KVSTACK), "cache-server", "--bind", endpoint, "--memory-gb", f"{cfg.cache_gb:g}"]
-    cmd += ["--chunk-size", str(CHUNK), "--node", node, "--log-level", "warning"]
+    cmd += ["--chunk-size", str(chunk), "--node", node, "--log-level", "warning"]
     if events is not None:
         cmd += ["--events", f"tcp://{HOST}:{events[0]}", "--events-replay", f"tcp://{HOST}:{events[1]}"]
     group = procs.start(name, cmd)
@@ -216,14 +245,32 @@ def kvstack_cache_server(
     return group, endpoint, shlex.join(cmd)
 
 
-def kvstack_transfer(server: str, model_id: str) -> dict[str, Any]:
+def kvstack_transfer(server: str, model_id: str, chunk: int = CHUNK) -> dict[str, Any]:
     return {
         "kv_connector": "KVStackConnector",
         "kv_connector_module_path": "kvstack.connector.vllm_v1",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"server": server, "model_id": model_id, "chunk_size": CHUNK},
+        "kv_connector_extra_config": {"server": server, "model_id": model_id, "chunk_size": chunk},
     }
+
+
+def lmcache_server(procs: Processes, name: str, cfg: Config, python: Path) -> tuple[dict[str, Any], str]:
+    """LMCache's multiprocess server (L1 in CPU memory, LRU); returns the ``--kv-transfer-config`` of
+    ``LMCacheMPConnector`` pointing at it, and the server's command line."""
+    port, http_port = free_port(), free_port()
+    cmd = [str(python.parent / "lmcache"), "server", "--host", HOST, "--port", str(port)]
+    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{cfg.cache_gb:g}", "--eviction-policy", "LRU"]
+    cmd += ["--http-host", HOST, "--http-port", str(http_port), "--disable-metrics"]
+    cmd += ["--supported-transfer-mode", "auto"]
+    server = procs.start(name, cmd, env=LMCACHE_ENV)
+    wait_log(server, "LMCache cache server is running", 180)
+    transfer = {
+        "kv_connector": "LMCacheMPConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{HOST}", "lmcache.mp.port": port},
+    }
+    return transfer, shlex.join(cmd)
 
 
 # -- models ---------------------------------------------------------------------------------------

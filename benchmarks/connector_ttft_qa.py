@@ -2,7 +2,8 @@
 
 ``qa_run`` starts the engines (small KV cache, below the working set) with or without the connector and a
 cache server (whose chunk events the router also reads), waits until the router routes on KV events for
-both, runs ``kvstack.bench`` and sums up TTFT by round and where each engine's prompt tokens came from.
+both (``wait_router``), runs ``kvstack.bench`` and sums up TTFT by round and where each engine's prompt
+tokens came from (``qa_summary``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ from connector_ttft_engines import (
     vllm_command,
     vllm_env,
 )
-from procs import HOST, KVSTACK, engines_not_ready, free_port, get
+from procs import HOST, KVSTACK, Group, engines_not_ready, free_port, get
 
-from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
+from kvstack.bench import BenchConfig, BenchResult, MultiRoundQA, run_bench, write_report
 from kvstack.bench.summary import percentile
 from kvstack.devtools.tiny_model import TinyShape
 
@@ -69,6 +70,50 @@ def router_not_ready(url: str, n: int) -> str | None:
         return engines_not_ready(states, n, kv_events=True)
     except (OSError, http.client.HTTPException, ValueError, KeyError, TypeError) as exc:
         return f"{type(exc).__name__}: {exc}"
+
+
+def wait_router(url: str, n: int, router: Group, budget_s: float = 90.0) -> None:
+    """Until the kvstack router at ``url`` routes on KV events for its ``n`` engines."""
+    t0 = time.monotonic()
+    why: str | None = "not asked"
+    while time.monotonic() - t0 < budget_s and (why := router_not_ready(url, n)) is not None:
+        if (gone := router.exited()) is not None:
+            raise BenchError(f"router: {gone}\n{log_tail(router)}")
+        time.sleep(0.5)
+    if why is not None:
+        raise BenchError(f"router not ready after {budget_s:.0f} s: {why}\n{log_tail(router)}")
+
+
+def qa_summary(per_engine: list[dict[str, float]], result: BenchResult) -> dict[str, Any]:
+    """A QA run from the client's records and each engine's counter deltas: TTFT percentiles (all, round 0,
+    later rounds) and where prompt tokens came from (computed, local prefix cache, the tier), as shares."""
+    tot = {k: sum(d.get(k, 0.0) for d in per_engine) for k in per_engine[0]}
+    prompt = sum(tot.get(f"source_{s}", 0.0) for s in SOURCES)
+    records = result.records
+    ok = [r for r in records if r.ok]
+    ttfts = [r.ttft for r in ok if r.ttft is not None]
+    later = [r.ttft for r in ok if r.ttft is not None and r.round > 0]
+    first = [r.ttft for r in ok if r.ttft is not None and r.round == 0]
+    return {
+        "requests": len(records),
+        "ok": len(ok),
+        "ttft_p50_s": percentile(ttfts, 50),
+        "ttft_p90_s": percentile(ttfts, 90),
+        "round0_ttft_p50_s": percentile(first, 50),
+        "later_ttft_p50_s": percentile(later, 50),
+        "prompt_tokens": prompt,
+        "local_hit_share": tot.get("source_local_cache_hit", 0.0) / prompt if prompt else None,
+        "external_share": tot.get("source_external_kv_transfer", 0.0) / prompt if prompt else None,
+        "computed_share": tot.get("source_local_compute", 0.0) / prompt if prompt else None,
+        "preemptions": tot.get("preemptions"),
+        "engine_shares": [
+            d.get("prompt_tokens", 0.0) / tot["prompt_tokens"] if tot.get("prompt_tokens") else None
+            for d in per_engine
+        ],
+        "bench_engine_view": result.summary.get("engine"),
+        "elapsed_s": result.summary.get("elapsed_s"),
+        "errors": result.summary.get("error_kinds"),
+    }
 
 
 def qa_run(
@@ -123,14 +168,7 @@ def qa_run(
     info["router_command"] = shlex.join(cmd)
     router = procs.start(f"qa-{label}-router", cmd)
     url = f"http://{HOST}:{router_port}"
-    t0 = time.monotonic()
-    why: str | None = "not asked"
-    while time.monotonic() - t0 < 90 and (why := router_not_ready(url, len(engines))) is not None:
-        if (gone := router.exited()) is not None:
-            raise BenchError(f"router: {gone}\n{log_tail(router)}")
-        time.sleep(0.5)
-    if why is not None:
-        raise BenchError(f"router not ready after 90 s: {why}\n{log_tail(router)}")
+    wait_router(url, len(engines), router)
     say(f"qa {label}: engines {[e.url for e in engines]} behind {url}")
     before = [read_metrics(e.url) for e in engines]
     config = BenchConfig(
@@ -151,33 +189,7 @@ def qa_run(
     write_report(result, out_dir / f"qa-{label}")
     per_engine = [delta(b, a) for b, a in zip(before, after, strict=True)]
     info["engines"] = [{"url": e.url, **d} for e, d in zip(engines, per_engine, strict=True)]
-    tot = {k: sum(d.get(k, 0.0) for d in per_engine) for k in per_engine[0]}
-    prompt = sum(tot.get(f"source_{s}", 0.0) for s in SOURCES)
-    records = result.records
-    ok = [r for r in records if r.ok]
-    ttfts = [r.ttft for r in ok if r.ttft is not None]
-    later = [r.ttft for r in ok if r.ttft is not None and r.round > 0]
-    first = [r.ttft for r in ok if r.ttft is not None and r.round == 0]
-    info["summary"] = {
-        "requests": len(records),
-        "ok": len(ok),
-        "ttft_p50_s": percentile(ttfts, 50),
-        "ttft_p90_s": percentile(ttfts, 90),
-        "round0_ttft_p50_s": percentile(first, 50),
-        "later_ttft_p50_s": percentile(later, 50),
-        "prompt_tokens": prompt,
-        "local_hit_share": tot.get("source_local_cache_hit", 0.0) / prompt if prompt else None,
-        "external_share": tot.get("source_external_kv_transfer", 0.0) / prompt if prompt else None,
-        "computed_share": tot.get("source_local_compute", 0.0) / prompt if prompt else None,
-        "preemptions": tot.get("preemptions"),
-        "engine_shares": [
-            d.get("prompt_tokens", 0.0) / tot["prompt_tokens"] if tot.get("prompt_tokens") else None
-            for d in per_engine
-        ],
-        "bench_engine_view": result.summary.get("engine"),
-        "elapsed_s": result.summary.get("elapsed_s"),
-        "errors": result.summary.get("error_kinds"),
-    }
+    info["summary"] = qa_summary(per_engine, result)
     with contextlib.suppress(OSError, http.client.HTTPException):
         _, body = get(url, "/metrics", timeout=3.0)
         info["router_metrics"] = [

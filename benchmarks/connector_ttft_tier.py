@@ -10,7 +10,6 @@ takes medians, ratios to cold and the verdict (tier / cold <= ``TARGET_RATIO``).
 from __future__ import annotations
 
 import random
-import shlex
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from connector_ttft_engines import (
     delta,
     kvstack_cache_server,
     kvstack_transfer,
+    lmcache_server,
     log_tail,
     random_prompt,
     read_metrics,
@@ -37,9 +37,8 @@ from connector_ttft_engines import (
     stream_completion,
     vllm_command,
     vllm_env,
-    wait_log,
 )
-from procs import HOST, free_port
+from procs import free_port
 from results import ratio
 
 PROMPT_MODEL = "ttft"
@@ -240,18 +239,7 @@ def kvstack_stack(procs: Processes, cfg: Config, model_dir: Path) -> Stack:
 
 
 def lmcache_stack(procs: Processes, cfg: Config, model_dir: Path, python: Path) -> Stack:
-    port, http_port = free_port(), free_port()
-    lmcache = str(python.parent / "lmcache")
-    cmd = [lmcache, "server", "--host", HOST, "--port", str(port), "--chunk-size", str(CHUNK)]
-    cmd += ["--l1-size-gb", f"{cfg.cache_gb:g}", "--eviction-policy", "LRU", "--http-host", HOST]
-    cmd += ["--http-port", str(http_port), "--disable-metrics", "--supported-transfer-mode", "auto"]
-    server = procs.start("lmcache-server", cmd, env=LMCACHE_ENV)
-    wait_log(server, "LMCache cache server is running", 180)
-    transfer = {
-        "kv_connector": "LMCacheMPConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"lmcache.mp.host": f"tcp://{HOST}", "lmcache.mp.port": port},
-    }
+    transfer, server_cmd = lmcache_server(procs, "lmcache-server", cfg, python)
     ports = [free_port(), free_port()]
     specs = [
         (
@@ -272,7 +260,7 @@ def lmcache_stack(procs: Processes, cfg: Config, model_dir: Path, python: Path) 
         "hard-codes torch.device('cuda'). Its multiprocess mode (lmcache server + LMCacheMPConnector) has "
         "a CPU path (engine-driven transfers through the server); that is what runs here.",
     ]
-    return Stack("lmcache", a, b, shlex.join(cmd), notes)
+    return Stack("lmcache", a, b, server_cmd, notes)
 
 
 def run_stack(

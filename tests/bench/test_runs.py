@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -156,6 +157,44 @@ async def test_the_engine_that_served_comes_from_the_router_or_envoy_header(
         (record,) = (await run_bench(BenchConfig(url=url, model="tiny", workload=workload))).records
     assert record.ok, record.error
     assert record.engine == engine
+
+
+async def test_session_header_carries_each_turns_session() -> None:
+    stream = b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\ndata: [DONE]\n\n'
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"content-length: *(\d+)", head, re.I)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        heads.append(head.lower())
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n")
+        writer.write(b"content-length: %d\r\n\r\n" % len(stream) + stream)
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    workload = MultiRoundQA(
+        num_users=3,
+        num_rounds=2,
+        system_prompt_len=4,
+        user_history_len=4,
+        question_len=2,
+        answer_len=1,
+        qps=0,
+    )
+    try:
+        plain = await run_bench(BenchConfig(url=url, model="tiny", workload=workload))
+        assert plain.summary["errors"] == 0 and not any(b"x-user-id" in h for h in heads)
+        heads.clear()
+        config = BenchConfig(url=url, model="tiny", workload=workload, session_header="x-user-id")
+        result = await run_bench(config)
+    finally:
+        server.close()
+    assert result.summary["errors"] == 0
+    sent = sorted(re.search(rb"x-user-id: *(\d+)", h).group(1) for h in heads)  # type: ignore[union-attr]
+    assert sent == [b"0", b"0", b"1", b"1", b"2", b"2"]
 
 
 def _faults(url: str, method: str, body: dict[str, float] | None = None) -> None:

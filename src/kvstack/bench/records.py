@@ -28,6 +28,8 @@ class BenchConfig:
     - ``engine_metrics``: base URLs of the engines whose /metrics are read before and after the run, through
       the metric catalog of ``engine_type`` / ``engine_version`` (None = the newest); the second reading
       waits ``metrics_settle_s`` after the last response, for counters updated just after it.
+    - ``session_header``: send each turn's session number in this request header (e.g. ``x-user-id``), for
+      routers that keep a session on one engine by a header (production-stack's ``--session-key``).
     - ``progress``: show a live progress bar; ``label``: a name for reports.
     """
 
@@ -45,6 +47,7 @@ class BenchConfig:
     engine_type: str = "vllm"
     engine_version: str | None = None
     metrics_settle_s: float = 0.5
+    session_header: str | None = None
     progress: bool = False
     label: str | None = None
 
@@ -87,6 +90,7 @@ class BenchConfig:
             "engine_metrics": list(self.engine_metrics),
             "engine_type": self.engine_type,
             "engine_version": self.engine_version,
+            "session_header": self.session_header,
             "label": self.label,
         }
 

@@ -6,7 +6,8 @@ lag. Requests stream (``"stream": true`` with ``stream_options.include_usage``) 
 client: TTFT from sending to the first chunk with content, one inter-token latency per later content chunk
 (chunks read together share a timestamp, so a coalesced read shows gaps of 0), end-to-end to the end of
 the stream. Usage gives prompt, completion and cached tokens (``usage.prompt_tokens_details``); a response
-header names the engine that served (``ENGINE_HEADERS``), when the server sets one.
+header names the engine that served (``ENGINE_HEADERS``), when the server sets one. With
+``session_header`` set, each request carries its session number in that header.
 
 A failure never stops the run: an HTTP error, an in-stream error event, a stream cut before
 ``data: [DONE]``, a timeout or a refused connection is recorded as the request's ``error``. Only records
@@ -217,6 +218,11 @@ class _Run:
             body["ignore_eos"] = True
         return body
 
+    def _headers(self, turn: Turn) -> dict[str, str]:
+        if self.config.session_header is None:
+            return self.headers
+        return {**self.headers, self.config.session_header: str(turn.session)}
+
     async def _send(self, turn: Turn, conv: Conversation, answer: list[str] | None) -> RequestRecord:
         """Send one streaming request; every failure becomes the record's error."""
         body = self._body(turn, conv)
@@ -233,7 +239,7 @@ class _Run:
         try:
             async with (
                 asyncio.timeout(timeout),
-                self.http.post(self.endpoint, json=body, headers=self.headers) as resp,
+                self.http.post(self.endpoint, json=body, headers=self._headers(turn)) as resp,
             ):
                 record.status = resp.status
                 record.engine = next(filter(None, map(resp.headers.get, ENGINE_HEADERS)), None)

