@@ -50,21 +50,17 @@ The current result, its command, machine and limits: ``docs/benchmarks/connector
 from __future__ import annotations
 
 import argparse
-import shlex
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, replace
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from connector_ttft_engines import (
-    VLLM_PYTHON,
     Config,
     Processes,
+    Session,
     attempt,
     ensure_lmcache,
     ensure_model,
@@ -81,9 +77,8 @@ from connector_ttft_report import (
     ttft_rows,
 )
 from connector_ttft_tier import TARGET_RATIO, kvstack_stack, lmcache_stack, run_stack
-from machine_info import machine
-from procs import KVSTACK, REPO
-from results import git_state, ratio, write_json
+from procs import REPO
+from results import ratio, write_json
 from rich.console import Console
 
 from kvstack.devtools.tiny_model import SHAPES
@@ -149,10 +144,6 @@ def run(
         procs.stop_all()
 
 
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--quick", action="store_true", help="2 prompt pairs per stack, a shorter QA run")
@@ -178,29 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.weights:
         cfg = replace(cfg, weights=args.weights)
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    command = shlex.join([sys.executable, *sys.argv])
-    console.print(f"command: {command}")
-    for path in (KVSTACK, VLLM_PYTHON):
-        if not path.exists():
-            raise SystemExit(f"{path} not found: run `make dev vllm` first")
-    signal.signal(signal.SIGTERM, _sigterm)
-    started = datetime.now(UTC)
-    host, t0 = machine(), time.monotonic()
-    console.print(
-        f"machine: {host['cpus']} cores ({host['cpu_model']}), busy {host['busy_pct_before_start']:.0f}% "
-        f"before the run (load {' '.join(host['loadavg_at_start'])}); engines, servers and client share them"
-    )
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    args.work = Path(tempfile.mkdtemp(prefix=started.strftime("%Y%m%d-%H%M%S-"), dir=OUT_DIR))
+    session = Session.begin(console, OUT_DIR)
+    args.work = session.work
     report: dict[str, Any] = {}
-    stopped = None
-    try:
-        run(cfg, sections, args, report, console)
-    except KeyboardInterrupt:
-        stopped = "interrupted; results are partial"
-    except Exception as exc:  # keep what was measured before the failure
-        stopped = f"run failed: {type(exc).__name__}: {exc}"
-        console.print_exception()
+    stopped = session.guard(lambda: run(cfg, sections, args, report, console), console)
 
     rows = ttft_rows(report)
     if rows:
@@ -228,23 +200,16 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"tier / no tier: TTFT p50 {fmt(qa.get('ratio_p50'))}, p90 {fmt(qa.get('ratio_p90'))}")
     for name, error in report.get("errors", {}).items():
         console.print(f"[red]error in {name}: {error[:2000]}[/]")
-    elapsed = round(time.monotonic() - t0, 1)
-    results = args.results or OUT_DIR / f"{started.strftime('%Y%m%d-%H%M%S')}.json"
+    results = args.results or session.results_path(OUT_DIR)
     out = {
-        "command": command,
-        "started_utc": started.isoformat(timespec="seconds"),
-        "machine": host,
-        "git": git_state(),
+        **session.record(stopped),
         "config": asdict(cfg),
         "sections": sections,
         "report": report,
-        "stopped": stopped,
-        "elapsed_s": elapsed,
-        "work_dir": str(args.work),
         "markdown": markdown_table(TTFT_COLUMNS, rows) + "\n" + markdown_table(QA_COLUMNS, qrows),
     }
     write_json(results, out, default=str)
-    console.print(f"results: {results} ({elapsed} s); logs and QA reports in {args.work}")
+    console.print(f"results: {results} ({out['elapsed_s']} s); logs and QA reports in {args.work}")
     return 1 if stopped or report.get("errors") else 0
 
 

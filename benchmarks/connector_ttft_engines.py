@@ -8,6 +8,8 @@ random weights written once with ``--weights random``); ``ensure_lmcache`` makes
 ``kvstack_cache_server`` and ``lmcache_server`` start the two tiers. ``stream_completion`` times one
 greedy streamed request (TTFT = send -> first token); ``read_metrics`` reads the counters each request is
 checked against; `Busy` measures the machine's busy share over a span and this run's part of it.
+``Session.begin`` starts a real-vLLM benchmark's run (command, machine, working folder, SIGTERM as Ctrl-C),
+``Session.guard`` runs its body keeping what was measured, ``Session.record`` is the JSON's common part.
 """
 
 from __future__ import annotations
@@ -20,17 +22,21 @@ import random
 import re
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from machine_info import machine_cpu_ticks
+from machine_info import machine, machine_cpu_ticks
 from procs import HOST, KVSTACK, REPO, Group, free_port, get
+from results import git_state
 from rich.console import Console
 
 from kvstack.devtools.tiny_model import TinyShape, make_tiny_model
@@ -443,3 +449,65 @@ class Busy:
         busy = 100 * (busy1 - busy0) / max(1, all1 - all0)
         own = 100 * (self._own() - self.own) / max(1e-9, wall * cores)
         return {"machine_busy_pct": round(busy, 1), "this_run_pct": round(min(own, busy), 1), "wall_s": wall}
+
+
+def _sigterm(_signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@dataclass
+class Session:
+    """One run of a real-vLLM benchmark: its command line, start, machine and working folder."""
+
+    command: str
+    started: datetime
+    host: dict[str, Any]
+    t0: float
+    work: Path
+
+    @classmethod
+    def begin(cls, console: Console, out_dir: Path) -> Session:
+        """Print the command and the machine, check the virtualenvs, make SIGTERM stop the run as Ctrl-C
+        does (so every process group is stopped), and make a working folder under ``out_dir``."""
+        command = shlex.join([sys.executable, *sys.argv])
+        console.print(f"command: {command}")
+        for path in (KVSTACK, VLLM_PYTHON):
+            if not path.exists():
+                raise SystemExit(f"{path} not found: run `make dev vllm` first")
+        signal.signal(signal.SIGTERM, _sigterm)
+        started = datetime.now(UTC)
+        host, t0 = machine(), time.monotonic()
+        console.print(
+            f"machine: {host['cpus']} cores ({host['cpu_model']}), busy {host['busy_pct_before_start']:.0f}% "
+            f"before the run (load {' '.join(host['loadavg_at_start'])}); "
+            "engines, servers and client share them"
+        )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=started.strftime("%Y%m%d-%H%M%S-"), dir=out_dir))
+        return cls(command, started, host, t0, work)
+
+    def guard(self, body: Callable[[], None], console: Console) -> str | None:
+        """Run ``body``; None when it finished, else why it stopped (what it measured before is kept)."""
+        try:
+            body()
+        except KeyboardInterrupt:
+            return "interrupted; results are partial"
+        except Exception as exc:  # keep what was measured before the failure
+            console.print_exception()
+            return f"run failed: {type(exc).__name__}: {exc}"
+        return None
+
+    def results_path(self, out_dir: Path) -> Path:
+        return out_dir / f"{self.started.strftime('%Y%m%d-%H%M%S')}.json"
+
+    def record(self, stopped: str | None) -> dict[str, Any]:
+        """The results JSON's common fields."""
+        return {
+            "command": self.command,
+            "started_utc": self.started.isoformat(timespec="seconds"),
+            "machine": self.host,
+            "git": git_state(),
+            "stopped": stopped,
+            "elapsed_s": round(time.monotonic() - self.t0, 1),
+            "work_dir": str(self.work),
+        }

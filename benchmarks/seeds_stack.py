@@ -32,23 +32,18 @@ seconds. Results: ``.cache/bench/seeds_stack/<UTC>.json``; the current result: d
 from __future__ import annotations
 
 import argparse
-import shlex
-import signal
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from connector_ttft_engines import VLLM_PYTHON, Config, Processes, attempt, ensure_lmcache, ensure_model
+from connector_ttft_engines import Config, Processes, Session, attempt, ensure_lmcache, ensure_model
 from connector_ttft_qa import QA_SHAPE, qa_workload
 from connector_ttft_report import markdown_table, rich_table
-from machine_info import machine
-from procs import KVSTACK, REPO
-from results import git_state, write_json
+from procs import REPO
+from results import write_json
 from rich.console import Console
 from seeds_stack_report import (
     CEILING_LABEL,
@@ -187,37 +182,14 @@ def run(args: argparse.Namespace, cfg: Config, report: dict[str, Any], console: 
     report["comparisons"] = compare(report["runs"])
 
 
-def _sigterm(_signum: int, _frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = config(args)
     console = Console() if sys.stdout.isatty() else Console(width=200)
-    command = shlex.join([sys.executable, *sys.argv])
-    console.print(f"command: {command}")
-    for path in (KVSTACK, VLLM_PYTHON):
-        if not path.exists():
-            raise SystemExit(f"{path} not found: run `make dev vllm` first")
-    signal.signal(signal.SIGTERM, _sigterm)
-    started = datetime.now(UTC)
-    host, t0 = machine(), time.monotonic()
-    console.print(
-        f"machine: {host['cpus']} cores ({host['cpu_model']}), busy {host['busy_pct_before_start']:.0f}% "
-        f"before the run (load {' '.join(host['loadavg_at_start'])}); engines, servers and client share them"
-    )
-    OUT_DIR.mkdir(parents=True, exist_ok=True)
-    args.work = Path(tempfile.mkdtemp(prefix=started.strftime("%Y%m%d-%H%M%S-"), dir=OUT_DIR))
+    session = Session.begin(console, OUT_DIR)
+    args.work = session.work
     report: dict[str, Any] = {}
-    stopped = None
-    try:
-        run(args, cfg, report, console)
-    except KeyboardInterrupt:
-        stopped = "interrupted; results are partial"
-    except Exception as exc:  # keep what was measured before the failure
-        stopped = f"run failed: {type(exc).__name__}: {exc}"
-        console.print_exception()
+    stopped = session.guard(lambda: run(args, cfg, report, console), console)
     runs = report.get("runs", [])
     table, comparisons = rows(runs), compare_rows(report.get("comparisons") or compare(runs))
     title = f"Multi-round QA, 2 engines per stack, {args.blocks} KV blocks each"
@@ -232,25 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         console.print(rich_table(title, round_columns, by_round))
     for name, error in report.get("errors", {}).items():
         console.print(f"[red]error in {name}: {error[:2000]}[/]")
-    elapsed = round(time.monotonic() - t0, 1)
-    results = args.results or OUT_DIR / f"{started.strftime('%Y%m%d-%H%M%S')}.json"
+    results = args.results or session.results_path(OUT_DIR)
     out = {
-        "command": command,
-        "started_utc": started.isoformat(timespec="seconds"),
-        "machine": host,
-        "git": git_state(),
+        **session.record(stopped),
         "config": asdict(cfg),
         "report": report,
-        "stopped": stopped,
-        "elapsed_s": elapsed,
-        "work_dir": str(args.work),
         "markdown": "\n".join(
             markdown_table(c, r)
             for c, r in ((COLUMNS, table), (COMPARE_COLUMNS, comparisons), (round_columns, by_round))
         ),
     }
     write_json(results, out, default=str)
-    console.print(f"results: {results} ({elapsed} s); logs and bench reports in {args.work}")
+    console.print(f"results: {results} ({out['elapsed_s']} s); logs and bench reports in {args.work}")
     return 1 if stopped or report.get("errors") else 0
 
 
