@@ -373,6 +373,20 @@ class _Connection(asyncio.Protocol):
         self.pool._idle(self)
 
 
+async def _connecting_within(
+    sending: Coroutine[Any, Any, UpstreamResponse], deadline: float
+) -> UpstreamResponse:
+    """``sending`` with connecting bounded by the first-byte ``deadline`` too (it comes before the
+    connect timeout)."""
+    try:
+        async with asyncio.timeout_at(deadline):
+            return await sending
+    except UpstreamTimeout:
+        raise
+    except TimeoutError:
+        raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
+
+
 class UpstreamPool:
     def __init__(
         self,
@@ -440,28 +454,10 @@ class UpstreamPool:
         if first_byte_timeout is None:
             return self._request(base_url, path, headers, body, connect_timeout, None, method)
         deadline = asyncio.get_running_loop().time() + first_byte_timeout
+        sending = self._request(base_url, path, headers, body, connect_timeout, deadline, method)
         if first_byte_timeout < connect_timeout:
-            return self._request_within(base_url, path, headers, body, connect_timeout, deadline, method)
-        return self._request(base_url, path, headers, body, connect_timeout, deadline, method)
-
-    async def _request_within(
-        self,
-        base_url: str,
-        path: str,
-        headers: list[tuple[str, str]],
-        body: bytes,
-        connect_timeout: float,
-        deadline: float,
-        method: str,
-    ) -> UpstreamResponse:
-        """``_request`` with connecting bounded by the first-byte ``deadline`` too (it comes first)."""
-        try:
-            async with asyncio.timeout_at(deadline):
-                return await self._request(base_url, path, headers, body, connect_timeout, deadline, method)
-        except UpstreamTimeout:
-            raise
-        except TimeoutError:
-            raise UpstreamTimeout("first_byte_timeout", "no answer from the engine in time") from None
+            return _connecting_within(sending, deadline)
+        return sending
 
     async def _request(
         self,
