@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE as C
 from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys, pack_token_ids
 
 LAYOUT = KVLayout(
@@ -35,17 +36,17 @@ def _tokens(n: int, seed: int = 0) -> list[int]:
 
 
 def test_one_key_per_full_chunk_32_bytes_and_chunk_size_configurable() -> None:
-    tokens = _tokens(256 * 3 + 100)
+    tokens = _tokens(C * 3 + 100)
     keys = chunk_keys(tokens, LAYOUT)
     assert len(keys) == 3
     assert all(isinstance(k, ChunkKey) and len(k) == 32 for k in keys)
     assert len(set(keys)) == 3
-    assert keys == chunk_keys(tokens[: 256 * 3], LAYOUT)
-    assert chunk_keys(tokens[:255], LAYOUT) == []
+    assert keys == chunk_keys(tokens[: C * 3], LAYOUT)
+    assert chunk_keys(tokens[: C - 1], LAYOUT) == []
     assert chunk_keys([], LAYOUT, include_partial=True) == []
     assert len(chunk_keys(tokens, LAYOUT, chunk_size=64)) == len(tokens) // 64
-    # A chunk size is part of the namespace: 2 chunks of 128 never share a key with 1 chunk of 256.
-    assert not set(chunk_keys(tokens, LAYOUT, chunk_size=128)) & set(keys)
+    # A chunk size is part of the namespace: 2 chunks of C/2 never share a key with 1 chunk of C.
+    assert not set(chunk_keys(tokens, LAYOUT, chunk_size=C // 2)) & set(keys)
     assert ChunkKey.from_hex(keys[0].hex()) == keys[0]
     assert str(keys[0]) == keys[0].hex() and len(str(keys[0])) == 64
 
@@ -101,7 +102,7 @@ def test_keys_stable_across_processes_and_hash_seeds() -> None:
     ids=lambda change: next(iter(change)),
 )
 def test_every_layout_field_changes_every_key(change: dict[str, Any]) -> None:
-    tokens = _tokens(256 * 4 + 10)
+    tokens = _tokens(C * 4 + 10)
     other = dataclasses.replace(LAYOUT, **change)
     assert other.namespace() != LAYOUT.namespace()
     ours = chunk_keys(tokens, LAYOUT, include_partial=True)
@@ -111,44 +112,44 @@ def test_every_layout_field_changes_every_key(change: dict[str, Any]) -> None:
 
 
 def test_an_early_token_changes_every_later_key_and_no_earlier_one() -> None:
-    tokens = _tokens(256 * 5 + 3)
+    tokens = _tokens(C * 5 + 3)
     base = chunk_keys(tokens, LAYOUT, include_partial=True)
     changed = list(tokens)
-    changed[256 + 17] += 1  # inside chunk 1
+    changed[C + 17] += 1  # inside chunk 1
     keys = chunk_keys(changed, LAYOUT, include_partial=True)
     assert keys[0] == base[0]
     assert all(a != b for a, b in zip(keys[1:], base[1:], strict=True))
 
 
 def test_same_chunk_tokens_after_different_prefixes_get_different_keys() -> None:
-    shared = _tokens(256, seed=1)
-    a = chunk_keys(_tokens(256, seed=2) + shared, LAYOUT)
-    b = chunk_keys(_tokens(256, seed=3) + shared, LAYOUT)
+    shared = _tokens(C, seed=1)
+    a = chunk_keys(_tokens(C, seed=2) + shared, LAYOUT)
+    b = chunk_keys(_tokens(C, seed=3) + shared, LAYOUT)
     assert a[1] != b[1]
 
 
 def test_partial_tail_only_when_enabled_and_never_equal_to_a_full_chunk() -> None:
-    tokens = _tokens(256 * 2 + 40)
+    tokens = _tokens(C * 2 + 40)
     full = chunk_keys(tokens, LAYOUT)
     with_tail = chunk_keys(tokens, LAYOUT, include_partial=True)
     assert len(full) == 2 and len(with_tail) == 3 and with_tail[:2] == full
-    # A tail of 64 tokens under chunk size 256 covers the same tokens as a full chunk of size 64: still
+    # A tail of 64 tokens under chunk size C covers the same tokens as a full chunk of size 64: still
     # distinct keys, and tails of different lengths differ from each other.
     head = tokens[:64]
     assert chunk_keys(head, LAYOUT, include_partial=True) != chunk_keys(head, LAYOUT, chunk_size=64)
-    tails = {chunk_keys(tokens[:n], LAYOUT, include_partial=True)[0] for n in range(1, 256)}
-    assert len(tails) == 255
-    assert chunk_keys(tokens[:256], LAYOUT, include_partial=True) == chunk_keys(tokens[:256], LAYOUT)
+    tails = {chunk_keys(tokens[:n], LAYOUT, include_partial=True)[0] for n in range(1, C)}
+    assert len(tails) == C - 1
+    assert chunk_keys(tokens[:C], LAYOUT, include_partial=True) == chunk_keys(tokens[:C], LAYOUT)
 
 
 def test_parent_continues_the_chain() -> None:
-    tokens = _tokens(256 * 4)
+    tokens = _tokens(C * 4)
     keys = chunk_keys(tokens, LAYOUT)
-    assert chunk_keys(tokens[512:], LAYOUT, parent=keys[1]) == keys[2:]
+    assert chunk_keys(tokens[2 * C :], LAYOUT, parent=keys[1]) == keys[2:]
 
 
 def test_every_form_of_the_same_ids_gives_the_same_keys() -> None:
-    tokens = _tokens(256 * 3 + 50)
+    tokens = _tokens(C * 3 + 50)
     expected = chunk_keys(tokens, LAYOUT, include_partial=True)
     forms = {
         "tuple": tuple(tokens),
@@ -172,7 +173,7 @@ def test_every_form_of_the_same_ids_gives_the_same_keys() -> None:
         assert chunk_keys(ids, LAYOUT) == want, type(ids)
     # A chain continued from a packed slice equals the whole chain.
     packed = np.array(tokens, dtype=np.uint32)
-    assert chunk_keys(packed[512:], LAYOUT, parent=expected[1], include_partial=True) == expected[2:]
+    assert chunk_keys(packed[2 * C :], LAYOUT, parent=expected[1], include_partial=True) == expected[2:]
 
 
 def test_pack_token_ids_hashes_a_native_uint32_buffer_in_place() -> None:

@@ -39,7 +39,7 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 
 def test_config_defaults_and_overrides() -> None:
     config = parse_config({"server": "tcp://127.0.0.1:5560"})
-    assert (config.chunk_size, config.load, config.save, config.timeout_s) == (256, True, True, 1.0)
+    assert (config.chunk_size, config.load, config.save, config.timeout_s) == (128, True, True, 1.0)
     assert (config.save_queue, config.prefill_wait_s) == (64, 2.0)
     config = parse_config(
         {"server": "ipc:///tmp/c", "chunk_size": 512, "load": False, "timeout_s": 2, "model_id": "m"}

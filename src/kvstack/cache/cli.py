@@ -4,7 +4,7 @@ Wired into ``kvstack`` by ``kvstack.cli`` (`add_cache_server_parser`, `run_cache
 ``python -m kvstack.cache.cli cache-server ...``. Example::
 
     kvstack cache-server --bind tcp://127.0.0.1:5560 --memory-gb 1 --disk-dir /var/cache/kvstack \\
-        --disk-gb 50 --redis-url redis://10.0.0.9:6379/0 --chunk-size 256 --http-port 9105 \\
+        --disk-gb 50 --redis-url redis://10.0.0.9:6379/0 --chunk-size 128 --http-port 9105 \\
         --events tcp://127.0.0.1:5561 --node "$(hostname)" --secret-file /etc/kvstack/cache.secret
 
 Lower tiers are searched in the order memory, disk, Redis, S3 (each only when configured). The S3 tier
@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
 from kvstack.cache.server import DEFAULT_BIND, CacheServer
 from kvstack.cache.store import TieredStore
 from kvstack.cache.tiers import DiskTier, MemoryTier, Tier
@@ -84,7 +85,12 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
     g.add_argument("--s3-addressing-style", choices=["auto", "path", "virtual"], default="auto")
     g.add_argument("--s3-concurrency", type=int, default=16, help="S3 requests in flight at most")
     g.add_argument("--write-queue", type=int, default=64, help="queued writes per lower tier before drops")
-    p.add_argument("--chunk-size", type=int, default=256, help="tokens per chunk (the events' block_size)")
+    p.add_argument(
+        "--chunk-size",
+        type=int,
+        default=DEFAULT_CHUNK_SIZE,
+        help=f"tokens per chunk: the connectors' chunk_size, the events' block_size ({DEFAULT_CHUNK_SIZE})",
+    )
     p.add_argument("--node", help="this server's node name in events and stats (default: the hostname)")
     p.add_argument("--secret-file", help="file holding the shared secret clients must sign requests with")
     p.add_argument("--events", help="ZMQ PUB endpoint for admit/evict events, e.g. tcp://127.0.0.1:5561")

@@ -1,6 +1,6 @@
 """Chunk keys of the KV cache tier: one chained 32-byte blake3 key per chunk of token ids.
 
-A chunk is ``chunk_size`` consecutive prompt tokens (default 256); chunk ``i`` covers tokens
+A chunk is ``chunk_size`` consecutive prompt tokens (`DEFAULT_CHUNK_SIZE`); chunk ``i`` covers tokens
 ``[i * chunk_size, (i + 1) * chunk_size)``. Only full chunks get a key unless ``include_partial`` is set, in
 which case a shorter tail gets one more key, never equal to a full chunk's.
 
@@ -27,9 +27,12 @@ from typing import Any, TypeAlias, cast
 
 from blake3 import blake3
 
-__all__ = ["ChunkKey", "KVLayout", "TokenIds", "chunk_keys", "pack_token_ids"]
+__all__ = ["DEFAULT_CHUNK_SIZE", "ChunkKey", "KVLayout", "TokenIds", "chunk_keys", "pack_token_ids"]
 
 KEY_BYTES = 32
+DEFAULT_CHUNK_SIZE = 128
+"""Tokens per chunk unless configured: one CPU vLLM block, 8 of a GPU engine's 16-token blocks. The smaller a
+chunk, the less of a prompt's tail is left out of the tier (only full chunks are keyed)."""
 _NAMESPACE_PREFIX = b"kvstack-kv-chunk/v1\0"
 _FULL_CONTEXT = "kvstack 2025 kv-chunk full-chunk key v1"
 _TAIL_CONTEXT = "kvstack 2025 kv-chunk partial-tail key v1"
@@ -150,7 +153,7 @@ def _derived_keys(layout: KVLayout, chunk_size: int) -> tuple[bytes, bytes]:
 def chunk_keys(
     token_ids: TokenIds,
     layout: KVLayout,
-    chunk_size: int = 256,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
     include_partial: bool = False,
     parent: ChunkKey | None = None,
 ) -> list[ChunkKey]:

@@ -26,6 +26,7 @@ import zmq.asyncio
 from aiohttp import web
 
 from kvstack.cache.events import ChunkEvents, topic_for
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
 from kvstack.cache.metrics import CacheMetrics
 from kvstack.cache.protocol import (
     UNIX_SCHEME,
@@ -88,7 +89,7 @@ class CacheServer:
         *,
         secret: bytes | None = None,
         node: str | None = None,
-        chunk_size: int = 256,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
         events_endpoint: str | None = None,
         events_replay_endpoint: str | None = None,
         http_port: int | None = None,

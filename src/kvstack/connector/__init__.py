@@ -8,7 +8,7 @@ msgspec, blake3, xxhash). The vLLM class, `KVStackConnector`, lives in ``kvstack
     --kv-transfer-config '{"kv_connector": "KVStackConnector",
       "kv_connector_module_path": "kvstack.connector.vllm_v1", "kv_role": "kv_both",
       "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"server": "tcp://127.0.0.1:5560", "chunk_size": 256}}'
+      "kv_connector_extra_config": {"server": "tcp://127.0.0.1:5560", "chunk_size": 128}}'
 
 Modules: ``config`` (`parse_config`), ``layout`` (the KV layouts handled, the key namespace), ``plan`` and
 ``planner`` (`StepPlan`, `ChunkPlanner`: the scheduler half, no vLLM types), ``saves`` (`SaveQueue`: the

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
+
 __all__ = ["ConfigError", "ConnectorConfig", "parse_config"]
 
 
@@ -35,7 +37,8 @@ class ConnectorConfig:
     key             default      meaning
     ==============  ===========  =====================================================================
     server          (required)   the cache server: ``tcp://127.0.0.1:5560``, or ``unix:///path`` on its host
-    chunk_size      256          tokens per chunk; a multiple of vLLM's block size (128 on CPU)
+    chunk_size      128          tokens per chunk (the cache server's ``--chunk-size``); a multiple of vLLM's
+                                 block size (128 on CPU, 16 on GPU)
     load            true         look chunks up and load them into the engine's KV blocks
     save            true         save the chunks the engine computes
     timeout_s       1.0          bound of one round trip to the server (a lookup holds the scheduler)
@@ -54,7 +57,7 @@ class ConnectorConfig:
     """
 
     server: str
-    chunk_size: int = 256
+    chunk_size: int = DEFAULT_CHUNK_SIZE
     load: bool = True
     save: bool = True
     timeout_s: float = 1.0

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from kvstack.cache.client import AsyncCacheClient
-from kvstack.cache.keys import KEY_BYTES, KVLayout, chunk_keys
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE, KEY_BYTES, KVLayout, chunk_keys
 from kvstack.logs import ThrottledLog
 from kvstack.sim.scheduler import ExternalPrefix, SimRequest
 
@@ -34,7 +34,6 @@ __all__ = ["DEFAULT_CHUNK_SIZE", "CacheTierConfig", "CacheTierConnector", "Conne
 
 log = logging.getLogger(__name__)
 
-DEFAULT_CHUNK_SIZE = 256  # the cache tier's (kvstack cache-server --chunk-size, chunk_keys)
 # The real connector's tier -> vLLM CacheHitSource mapping (kvstack.connector.vllm_v1).
 TIER_SOURCES = {"memory": "host", "disk": "disk"}
 
