@@ -261,12 +261,14 @@ def kvstack_transfer(server: str, model_id: str, chunk: int = CHUNK) -> dict[str
     }
 
 
-def lmcache_server(procs: Processes, name: str, cfg: Config, python: Path) -> tuple[dict[str, Any], str]:
+def lmcache_server(
+    procs: Processes, name: str, cfg: Config, python: Path, chunk: int = CHUNK
+) -> tuple[dict[str, Any], str]:
     """LMCache's multiprocess server (L1 in CPU memory, LRU); returns the ``--kv-transfer-config`` of
     ``LMCacheMPConnector`` pointing at it, and the server's command line."""
     port, http_port = free_port(), free_port()
     cmd = [str(python.parent / "lmcache"), "server", "--host", HOST, "--port", str(port)]
-    cmd += ["--chunk-size", str(CHUNK), "--l1-size-gb", f"{cfg.cache_gb:g}", "--eviction-policy", "LRU"]
+    cmd += ["--chunk-size", str(chunk), "--l1-size-gb", f"{cfg.cache_gb:g}", "--eviction-policy", "LRU"]
     cmd += ["--http-host", HOST, "--http-port", str(http_port), "--disable-metrics"]
     cmd += ["--supported-transfer-mode", "auto"]
     server = procs.start(name, cmd, env=LMCACHE_ENV)

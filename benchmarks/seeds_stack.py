@@ -9,12 +9,13 @@ by all, 1,300 words of history per user, 20-word questions, 16-token answers: pr
 ``x-user-id``.
 
 - kvstack: ``kvstack router --routing kv-aware`` with the cache server's chunk events, ``kvstack
-  cache-server``, ``KVStackConnector`` (chunks of 256 tokens).
+  cache-server``, ``KVStackConnector``, each on its defaults (chunks of 128 tokens).
 - seeds: production-stack's router (``--routing-logic session --session-key x-user-id``, static discovery),
-  LMCache 0.5.6's ``lmcache server`` (chunks of 256) and vLLM's ``LMCacheMPConnector``.
-- ``--levers``: kvstack once more per lever, one at a time (``chunk_size: 128``, the engine's block size;
-  session-affinity-scorer weight 1 on the user header added to kv-aware, to keep a conversation in place);
-  ``--ceiling``: kvstack with KV to spare (``--ceiling-blocks``), the workload's ceiling of not computed.
+  LMCache 0.5.6's ``lmcache server`` (chunks of 256, its default) and vLLM's ``LMCacheMPConnector``.
+- ``--levers``: one more row per lever, one at a time: kvstack with 256-token chunks; kvstack with
+  session-affinity-scorer weight 1 on the user header added to kv-aware (to keep a conversation in place);
+  the seeds with LMCache's chunk at kvstack's 128. ``--ceiling``: kvstack with KV to spare
+  (``--ceiling-blocks``), the workload's ceiling of not computed.
 
 Per setup, from each engine's ``vllm:prompt_tokens_by_source_total`` before and after: shares of prompt
 tokens computed / from the engine's prefix cache / from the tier, the share not computed; client TTFT
@@ -39,7 +40,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from connector_ttft_engines import Config, Processes, Session, attempt, ensure_lmcache, ensure_model
+from connector_ttft_engines import CHUNK, Config, Processes, Session, attempt, ensure_lmcache, ensure_model
 from connector_ttft_qa import QA_SHAPE, qa_workload
 from connector_ttft_report import markdown_table, rich_table
 from procs import REPO
@@ -65,6 +66,8 @@ from seeds_stack_stacks import (
     start_seeds,
 )
 
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
+
 OUT_DIR = REPO / ".cache" / "bench" / "seeds_stack"
 STACKS = ("kvstack", "seeds")
 SESSION_HEADER = "x-user-id"
@@ -79,7 +82,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--only", default=",".join(STACKS), help=f"comma-separated subset of {STACKS}")
     parser.add_argument(
-        "--levers", action="store_true", help="kvstack once more per lever (chunk_size 128, session affinity)"
+        "--levers",
+        action="store_true",
+        help=f"a row per lever (kvstack chunk {CHUNK}, session affinity; LMCache chunk {DEFAULT_CHUNK_SIZE})",
     )
     parser.add_argument("--ceiling", action="store_true", help="kvstack with KV to spare (--ceiling-blocks)")
     parser.add_argument("--blocks", type=int, default=40, help="KV blocks of 128 tokens per engine (40)")
@@ -117,11 +122,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[Setup]:
     """The rows of the run, in order: kvstack, seeds, then each lever and the ceiling."""
-    setups = [Setup(stack, stack, args.blocks) for stack in STACKS if stack in args.stacks]
+    base = {
+        "kvstack": Setup("kvstack", "kvstack", args.blocks),
+        "seeds": Setup("seeds", "seeds", args.blocks, chunk=CHUNK),
+    }
+    setups = [base[stack] for stack in STACKS if stack in args.stacks]
     if "kvstack" in args.stacks and args.levers:
-        setups.append(Setup("kvstack-chunk128", "kvstack", args.blocks, chunk=128, lever="chunk_size: 128"))
+        lever = f"chunk_size: {CHUNK} (LMCache's chunk)"
+        setups.append(Setup(f"kvstack-chunk{CHUNK}", "kvstack", args.blocks, chunk=CHUNK, lever=lever))
         lever = f"kv-aware + session-affinity-scorer weight 1 on {args.session_header}"
         setups.append(Setup("kvstack-session", "kvstack", args.blocks, session_weight=1, lever=lever))
+    if "seeds" in args.stacks and args.levers:
+        lever = f"LMCache --chunk-size {DEFAULT_CHUNK_SIZE} (kvstack's chunk)"
+        setups.append(Setup(f"seeds-chunk{DEFAULT_CHUNK_SIZE}", "seeds", args.blocks, lever=lever))
     if "kvstack" in args.stacks and args.ceiling:
         lever = f"KV to spare: {args.ceiling_blocks} blocks per engine"
         setups.append(Setup(CEILING_LABEL, "kvstack", args.ceiling_blocks, lever=lever))

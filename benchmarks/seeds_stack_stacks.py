@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 from connector_ttft_engines import (
-    CHUNK,
     LMCACHE_ENV,
     VLLM_PYTHON,
     BenchError,
@@ -54,6 +53,7 @@ from procs import HOST, KVSTACK, OFFLINE, REPO, free_port
 from seeds_stack_report import by_round, moves
 
 from kvstack.bench import BenchConfig, MultiRoundQA, run_bench, write_report
+from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
 from kvstack.scheduling.presets import PRESETS
 
 PS_VENV = REPO / ".venvs" / "production-stack"
@@ -68,7 +68,10 @@ class Setup:
     label: str
     stack: str  # kvstack | seeds
     blocks: int
-    chunk: int = CHUNK  # kvstack's connector and cache server (LMCache's server keeps CHUNK)
+    chunk: int = (
+        DEFAULT_CHUNK_SIZE  # the tier's chunk: kvstack's connector + cache server, or LMCache's server
+    )
+    connector: tuple[tuple[str, Any], ...] = ()  # kvstack: more kv_connector_extra_config keys
     session_weight: int = 0  # kvstack: session-affinity-scorer on the session header added to kv-aware
     lever: str | None = None  # what this row changes against its stack's base row
 
@@ -182,6 +185,7 @@ def start_kvstack(procs: Processes, setup: Setup, cfg: Config, model: Path, work
         procs, f"{setup.label}-cache-server", cfg, events=(ev, replay), node=node, chunk=setup.chunk
     )
     transfer = kvstack_transfer(endpoint, f"{MODEL}-{cfg.weights}", setup.chunk)
+    transfer["kv_connector_extra_config"].update(setup.connector)
     engines = _engines(procs, setup, cfg, model, VLLM_PYTHON, transfer)
     port = free_port()
     routing = "kv-aware"
@@ -213,7 +217,9 @@ def start_seeds(
     ps_root: Path,
     header: str,
 ) -> Front:
-    transfer, server_cmd = lmcache_server(procs, f"{setup.label}-lmcache-server", cfg, lmcache_python)
+    transfer, server_cmd = lmcache_server(
+        procs, f"{setup.label}-lmcache-server", cfg, lmcache_python, chunk=setup.chunk
+    )
     engines = _engines(procs, setup, cfg, model, lmcache_python, transfer, LMCACHE_ENV)
     port = free_port()
     cmd = [str(ps_python), "-m", "vllm_router.app", "--host", HOST, "--port", str(port)]

@@ -60,19 +60,20 @@ def test_plan_puts_both_stacks_first_then_each_lever() -> None:
     args = seeds.parse_args(["--production-stack-src", "/ps", "--levers", "--ceiling", "--blocks", "30"])
     setups = seeds.plan(args)
     assert [(s.label, s.stack, s.blocks, s.chunk) for s in setups] == [
-        ("kvstack", "kvstack", 30, 256),
+        ("kvstack", "kvstack", 30, 128),
         ("seeds", "seeds", 30, 256),
-        ("kvstack-chunk128", "kvstack", 30, 128),
-        ("kvstack-session", "kvstack", 30, 256),
-        ("kvstack-spare-kv", "kvstack", 400, 256),
+        ("kvstack-chunk256", "kvstack", 30, 256),
+        ("kvstack-session", "kvstack", 30, 128),
+        ("seeds-chunk128", "seeds", 30, 128),
+        ("kvstack-spare-kv", "kvstack", 400, 128),
     ]
-    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0]
+    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0, 0]
     assert [
         s.label
         for s in seeds.plan(
             seeds.parse_args(["--only", "seeds", "--production-stack-src", "/ps", "--levers"])
         )
-    ] == ["seeds"]
+    ] == ["seeds", "seeds-chunk128"]
 
 
 def test_compare_sets_every_kvstack_row_against_the_seeds_row() -> None:
@@ -80,7 +81,7 @@ def test_compare_sets_every_kvstack_row_against_the_seeds_row() -> None:
     runs = [
         _run("kvstack", "kvstack", 0.20, 0.040, 0.200, [0.5, 0.5]),
         _run("seeds", "seeds", 0.25, 0.050, 0.400, [0.625, 0.375]),
-        _run("kvstack", "kvstack-chunk128", 0.15, 0.030, 0.100, [0.5, 0.5]),
+        _run("kvstack", "kvstack-chunk256", 0.15, 0.030, 0.100, [0.5, 0.5]),
     ]
     first, lever = report.compare(runs)
     assert first["label"] == "kvstack"
