@@ -71,6 +71,7 @@ from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
 OUT_DIR = REPO / ".cache" / "bench" / "seeds_stack"
 STACKS = ("kvstack", "seeds")
 SESSION_HEADER = "x-user-id"
+TIER_WEIGHT = 0.95  # a tier load costs ~4% of computing the tokens, a GPU hit ~2% (connector-ttft.md)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,6 +133,10 @@ def plan(args: argparse.Namespace) -> list[Setup]:
         setups.append(Setup(f"kvstack-chunk{CHUNK}", "kvstack", args.blocks, chunk=CHUNK, lever=lever))
         lever = f"kv-aware + session-affinity-scorer weight 1 on {args.session_header}"
         setups.append(Setup("kvstack-session", "kvstack", args.blocks, session_weight=1, lever=lever))
+        lever = f"a tier hit worth {TIER_WEIGHT} of a GPU hit (precise-prefix-scorer cpuWeight; preset 0.8)"
+        setups.append(
+            Setup("kvstack-tier-weight", "kvstack", args.blocks, tier_weight=TIER_WEIGHT, lever=lever)
+        )
     if "seeds" in args.stacks and args.levers:
         lever = f"LMCache --chunk-size {DEFAULT_CHUNK_SIZE} (kvstack's chunk)"
         setups.append(Setup(f"seeds-chunk{DEFAULT_CHUNK_SIZE}", "seeds", args.blocks, lever=lever))

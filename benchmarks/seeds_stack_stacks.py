@@ -5,7 +5,7 @@ the cache server's chunk events, ``kvstack cache-server``, ``KVStackConnector`` 
 ``seeds`` (production-stack's router, ``--routing-logic session --session-key <header>`` over static
 discovery, LMCache 0.5.6's ``lmcache server`` and ``LMCacheMPConnector`` in ``.venvs/lmcache``), with its
 levers: the kvstack connector's chunk size, the engines' KV blocks, session affinity added to kv-aware
-(``kv_aware_with_session``). Both stacks' engines get the same command but for ``--kv-transfer-config``
+(``kv_aware_with``). Both stacks' engines get the same command but for ``--kv-transfer-config``
 (both publish KV events; only kvstack's router reads them).
 
 ``ensure_production_stack`` makes ``.venvs/production-stack`` (the router's ``requirements.txt`` from PyPI;
@@ -73,6 +73,7 @@ class Setup:
     )
     connector: tuple[tuple[str, Any], ...] = ()  # kvstack: more kv_connector_extra_config keys
     session_weight: int = 0  # kvstack: session-affinity-scorer on the session header added to kv-aware
+    tier_weight: float | None = None  # kvstack: the precise prefix scorer's cpuWeight (None: the preset's)
     lever: str | None = None  # what this row changes against its stack's base row
 
 
@@ -137,15 +138,24 @@ def source_commit(root: Path) -> str | None:
 
 
 # -- the stacks -------------------------------------------------------------------------------------------
-def kv_aware_with_session(weight: int) -> str:
-    """The kv-aware preset's YAML with session-affinity-scorer added at ``weight``: a conversation stays on
-    its engine when the prefix scores (weight 3) and load do not tell the engines apart by more."""
+def kv_aware_with(session_weight: int = 0, tier_weight: float | None = None) -> str:
+    """The kv-aware preset's YAML with session-affinity-scorer added at ``session_weight`` (a conversation
+    stays on its engine when the prefix scores, weight 3, and load do not tell the engines apart by more)
+    and the precise prefix scorer's ``cpuWeight`` (a tier hit's worth against a GPU hit's) at
+    ``tier_weight``."""
     text = PRESETS["kv-aware"]
     picker, ref = "- type: max-score-picker\n", "  - pluginRef: max-score-picker\n"
-    if text.count(picker) != 1 or text.count(ref) != 1:
-        raise BenchError("the kv-aware preset changed shape: update seeds_stack_stacks.kv_aware_with_session")
-    text = text.replace(picker, "- type: session-affinity-scorer\n" + picker)
-    return text.replace(ref, f"  - pluginRef: session-affinity-scorer\n    weight: {weight}\n" + ref)
+    prefix = "- type: precise-prefix-scorer\n"
+    if text.count(picker) != 1 or text.count(ref) != 1 or text.count(prefix) != 1:
+        raise BenchError("the kv-aware preset changed shape: update seeds_stack_stacks.kv_aware_with")
+    if session_weight:
+        text = text.replace(picker, "- type: session-affinity-scorer\n" + picker)
+        text = text.replace(
+            ref, f"  - pluginRef: session-affinity-scorer\n    weight: {session_weight}\n" + ref
+        )
+    if tier_weight is not None:
+        text = text.replace(prefix, f"{prefix}  parameters:\n    cpuWeight: {tier_weight}\n")
+    return text
 
 
 def _engines(
@@ -189,9 +199,9 @@ def start_kvstack(procs: Processes, setup: Setup, cfg: Config, model: Path, work
     engines = _engines(procs, setup, cfg, model, VLLM_PYTHON, transfer)
     port = free_port()
     routing = "kv-aware"
-    if setup.session_weight:
+    if setup.session_weight or setup.tier_weight is not None:
         (config := work / f"{setup.label}-routing.yaml").write_text(
-            kv_aware_with_session(setup.session_weight)
+            kv_aware_with(setup.session_weight, setup.tier_weight)
         )
         routing = str(config)
     cmd = [str(KVSTACK), "router", "--host", HOST, "--port", str(port), "--routing", routing]

@@ -64,10 +64,12 @@ def test_plan_puts_both_stacks_first_then_each_lever() -> None:
         ("seeds", "seeds", 30, 256),
         ("kvstack-chunk256", "kvstack", 30, 256),
         ("kvstack-session", "kvstack", 30, 128),
+        ("kvstack-tier-weight", "kvstack", 30, 128),
         ("seeds-chunk128", "seeds", 30, 128),
         ("kvstack-spare-kv", "kvstack", 400, 128),
     ]
-    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0, 0]
+    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0, 0, 0]
+    assert [s.tier_weight for s in setups] == [None, None, None, None, 0.95, None, None]
     assert [
         s.label
         for s in seeds.plan(
@@ -121,7 +123,7 @@ def test_by_round_counts_computed_tokens_and_requests_over_a_block() -> None:
 
 def test_the_session_lever_is_kv_aware_plus_session_affinity() -> None:
     stacks = _module("seeds_stack_stacks")
-    config = parse_config(stacks.kv_aware_with_session(1), "<lever>")
+    config = parse_config(stacks.kv_aware_with(1), "<lever>")
     kv_aware = preset_config("kv-aware")
     (profile,) = config.profiles
     (base,) = kv_aware.profiles
@@ -153,3 +155,14 @@ def test_production_stack_source_is_the_checkout_or_its_src(tmp_path: Path) -> N
     assert stacks.production_stack_root(tmp_path / "src") == tmp_path
     with pytest.raises(stacks.BenchError, match="archive HEAD src"):
         stacks.production_stack_root(tmp_path / "src" / "vllm_router")
+
+
+def test_the_tier_weight_lever_sets_only_the_prefix_scorers_cpu_weight() -> None:
+    stacks = _module("seeds_stack_stacks")
+    config = parse_config(stacks.kv_aware_with(tier_weight=0.95), "<lever>")
+    kv_aware = preset_config("kv-aware")
+    params = {p.type: dict(p.parameters) for p in config.plugins}
+    assert params.pop("precise-prefix-scorer") == {"cpuWeight": 0.95}
+    base = {p.type: dict(p.parameters) for p in kv_aware.plugins}
+    assert base.pop("precise-prefix-scorer") == {}
+    assert params == base and config.profiles == kv_aware.profiles
