@@ -488,7 +488,7 @@ class TailStore(FakeStore):
             parent = chunk.keys[0]
 
 
-def tail_planner(store: TailStore, layouts: Sequence[KVLayout] = (LAYOUT,), **options: bool) -> ChunkPlanner:
+def tail_planner(store: TailStore, layouts: Sequence[KVLayout] = (LAYOUT,)) -> ChunkPlanner:
     return ChunkPlanner(
         CHUNK,
         BLOCK,
@@ -497,7 +497,6 @@ def tail_planner(store: TailStore, layouts: Sequence[KVLayout] = (LAYOUT,), **op
         tail_keys_for=tail_keys_by_rank(layouts, CHUNK),
         locate_tails=store.locate_tails,
         workers=len(layouts),
-        **options,
     )
 
 
