@@ -301,7 +301,7 @@ def keys_of(block_layout):
 split_keys, cpu_keys = keys_of(SPLIT), keys_of(CPU_LAYOUT)
 with CacheClient(sys.argv[1]) as client:
     client.evict(split_keys + cpu_keys)
-    assert client.put(split_keys, [b"x" * 10, b"y" * 10])
+    assert client.put(split_keys, [b"x" * 10] * len(split_keys))  # the prompt's full chunks
 
 # A worker with a K/V-outer cache reports that layout; the scheduler half keys chunks in its namespace.
 scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)

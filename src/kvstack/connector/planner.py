@@ -196,10 +196,10 @@ class ChunkPlanner:
         tiers: list[str] = []
         tail: _Tail | None = None
         if self.load and self.locate_tails is not None and self.tail_keys_for is not None:
-            if first_chunk <= len(keys):
-                parent = keys[first_chunk - 1][0] if first_chunk else None
-                tiers, offers = self.locate_tails([k[0] for k in keys[first_chunk:]], parent)
-                tail = self._tail(token_ids, keys, first_chunk + len(tiers), offers)
+            # Even with every full chunk a local hit: a tail may follow the last one.
+            parent = keys[first_chunk - 1][0] if first_chunk else None
+            tiers, offers = self.locate_tails([k[0] for k in keys[first_chunk:]], parent)
+            tail = self._tail(token_ids, keys, first_chunk + len(tiers), offers)
         elif self.load and first_chunk < len(keys):
             tiers = self.locate([k[0] for k in keys[first_chunk:]])
         if len(self._matches) >= _MAX_PENDING and req_id not in self._matches:
