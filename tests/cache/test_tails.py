@@ -7,10 +7,12 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import pytest
 import zmq
 import zmq.asyncio
 
 from kvstack.cache import KVLayout, chunk_keys
+from kvstack.cache.cli import main as cache_cli
 from kvstack.cache.client import AsyncCacheClient
 from kvstack.cache.events import block_hash
 from kvstack.cache.protocol import (
@@ -145,13 +147,20 @@ async def test_tails_on_a_tier_that_needs_io_are_offered_too() -> None:
         )
 
 
-async def test_the_tail_index_is_bounded_by_the_server_option() -> None:
+async def test_the_tail_index_is_bounded_by_the_server_option(capsys: pytest.CaptureFixture[str]) -> None:
     async with serving(tail_limit=3) as srv, AsyncCacheClient(srv.endpoint or "") as client:
         for i in range(10):
             tokens = [1000 + i, 1, 2, 3, 4, 5]  # a tail after another parent each time
             full, tail = keys_and_tail(tokens)
             assert await client.put([*full, tail], [b"c", b"t"], token_ids=[tokens[:4], tokens[4:]])
         assert len(srv.service.tails) == 3
+        stats = await client.server_stats()
+        assert stats is not None and stats["server"]["tails"] == 3
+        # the oldest tails' parents were dropped: their tails are no longer offered (nor stale)
+        assert await client.find(chunk_keys([1000, 1, 2, 3, 9, 9], LAYOUT, CHUNK)) == (["memory"], [])
+        assert (await client.find(chunk_keys([1009, 1, 2, 3, 9, 9], LAYOUT, CHUNK)))[1] != []
+    assert cache_cli(["cache-server", "--tail-index", "0"]) == 2
+    assert "--tail-index must be positive" in capsys.readouterr().err
 
 
 async def test_tails_are_not_announced_as_kv_events(zctx: zmq.asyncio.Context) -> None:

@@ -364,7 +364,11 @@ class CacheService:
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.store.stats())
-        stats["server"] = {"arenas": len(self.arenas), "in_flight": self._in_flight()}
+        stats["server"] = {
+            "arenas": len(self.arenas),
+            "in_flight": self._in_flight(),
+            "tails": len(self.tails),
+        }
         if self.publisher is not None:
             stats["server"]["events_published"] = self.publisher.sent_events
         return stats
