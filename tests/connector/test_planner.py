@@ -590,6 +590,15 @@ def test_a_tail_is_capped_before_the_prompts_last_token_and_the_longest_fitting_
     assert p.match("shorter", round1[:552], 0) == 512
 
 
+def test_the_tails_tokens_count_under_its_own_tier() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    store.tiers[chunk_keys(round1, LAYOUT, CHUNK, include_partial=True)[-1]] = "disk"
+    assert p.match("r2", [*round1, 1], 128) == 472
+    assert p.sources("r2", 472) == {"memory": 384, "disk": 88}
+
+
 def test_a_tail_whose_key_differs_is_not_loaded() -> None:
     store, round1 = TailStore(), tokens(600)
     p = tail_planner(store)
