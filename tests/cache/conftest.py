@@ -1,4 +1,4 @@
-"""Fixtures of the cache tests: a started disk tier in both of its read modes."""
+"""Fixtures of the cache tests: a started disk tier in both of its read modes, an asyncio ZMQ context."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+import zmq.asyncio
 
 from kvstack.cache.tiers import DiskTier
 
@@ -18,3 +19,10 @@ async def disk(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[
     await tier.start()
     yield tier
     await tier.close()
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)

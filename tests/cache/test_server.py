@@ -8,7 +8,7 @@ import asyncio
 import os
 import time
 from array import array
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,13 +88,6 @@ class Events:
         while await self.sock.poll(int(quiet_s * 1000)):
             found += (await self.next())[1].events
         return found
-
-
-@pytest.fixture
-async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
-    ctx = zmq.asyncio.Context()
-    yield ctx
-    ctx.destroy(linger=0)
 
 
 async def test_put_and_evict_publish_block_events_the_router_ingests(zctx: zmq.asyncio.Context) -> None:

@@ -40,7 +40,10 @@ def tokens(n: int, seed: int = 1) -> list[int]:
 def test_config_defaults_and_overrides() -> None:
     config = parse_config({"server": "tcp://127.0.0.1:5560"})
     assert (config.chunk_size, config.load, config.save, config.timeout_s) == (128, True, True, 1.0)
-    assert (config.save_queue, config.prefill_wait_s) == (64, 2.0)
+    assert (config.save_queue, config.prefill_wait_s, config.partial_tail) == (64, 2.0, True)
+    assert parse_config({"server": "tcp://127.0.0.1:5560", "partial_tail": False}).partial_tail is False
+    with pytest.raises(ConfigError, match="partial_tail must be bool"):
+        parse_config({"server": "tcp://127.0.0.1:5560", "partial_tail": 1})
     config = parse_config(
         {"server": "ipc:///tmp/c", "chunk_size": 512, "load": False, "timeout_s": 2, "model_id": "m"}
     )

@@ -208,6 +208,27 @@ MOVER_SCRIPT = textwrap.dedent(
             for src, dst in zip(range(3, 9), range(20, 26)):
                 assert torch.equal(block(fresh[l], dst), block(layers[l], src)), (l, dst)
 
+        # The prompt's partial tail (10 tokens, one block): saved after the last chunk, loaded after chunk 2.
+        (tail,) = chunk_keys(tokens[192:], layout, 64, include_partial=True, parent=flat[2])
+        assert chunk_keys(tokens, layout, 64, include_partial=True)[-1] == tail
+        with_tail = plan_save(
+            keys, tokens, 2, 3, chunk_size=64, block_size=32, block_ids=[3, 4, 5, 6, 7, 8, 9], tail=(tail,)
+        )
+        assert with_tail[-1].block_ids == (9,) and with_tail[-1].token_ids == tuple(tokens[192:])
+        assert a.save(RequestSave("r", keys[1], with_tail))
+        with client.get([tail]) as got:
+            assert [len(p) for p in got] == [a.chunk_bytes // 2]  # one block of two
+        loads = plan_load(
+            keys[:3], 128, 202, chunk_size=64, block_size=32, block_ids=list(range(15, 22)), tail=(tail,)
+        )
+        assert [(c.blocks, c.block_ids) for c in loads] == [(None, (19, 20)), (1, (21,))]
+        assert b.load(RequestLoad("t", loads)) == (2, [])
+        for l in range(3):
+            for src, dst in ((7, 19), (8, 20), (9, 21)):
+                assert torch.equal(block(fresh[l], dst), block(layers[l], src)), (l, dst)
+        client.evict([tail])
+        assert b.load(RequestLoad("t", loads)) == (1, [21])  # a lost tail: its block recomputed
+
         # A lost chunk: the chunks before it load, it and every later block are reported failed.
         loads = plan_load(keys, 0, 192, chunk_size=64, block_size=32, block_ids=[26, 27, 28, 29, 30, 31])
         client.evict([flat[1]])
@@ -280,7 +301,7 @@ def keys_of(block_layout):
 split_keys, cpu_keys = keys_of(SPLIT), keys_of(CPU_LAYOUT)
 with CacheClient(sys.argv[1]) as client:
     client.evict(split_keys + cpu_keys)
-    assert client.put(split_keys, [b"x" * 10, b"y" * 10])
+    assert client.put(split_keys, [b"x" * 10] * len(split_keys))  # the prompt's full chunks
 
 # A worker with a K/V-outer cache reports that layout; the scheduler half keys chunks in its namespace.
 scheduler, worker = connector(KVConnectorRole.SCHEDULER), connector(KVConnectorRole.WORKER)

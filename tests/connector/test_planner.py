@@ -8,7 +8,8 @@ from collections.abc import Sequence
 
 import pytest
 
-from kvstack.cache.keys import ChunkKey, chunk_keys
+from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys
+from kvstack.cache.protocol import StoredTail
 from kvstack.connector import (
     PAGED_LAYOUT,
     AttentionShape,
@@ -20,7 +21,8 @@ from kvstack.connector import (
     plan_load,
     plan_save,
 )
-from kvstack.connector.plan import ChunkLoad
+from kvstack.connector.plan import ChunkLoad, RequestSave
+from kvstack.connector.planner import tail_keys_by_rank
 
 BLOCK = 128
 CHUNK = 256
@@ -110,6 +112,36 @@ def test_plan_save_takes_each_chunks_tokens_and_blocks() -> None:
     assert saves[0].token_ids == tuple(prompt[256:512])
     with pytest.raises(ValueError, match="needs 3 keys"):
         plan_save(keys, prompt, 0, 3, chunk_size=CHUNK, block_size=BLOCK, block_ids=list(range(6)))
+
+
+def test_a_stored_tail_extends_the_loadable_end_off_the_block_grid() -> None:
+    assert loadable_end(700, 512, BLOCK, tail=88) == 600
+    assert loadable_end(600, 512, BLOCK, tail=88) == 599  # capped before the last token
+    assert loadable_end(100, 0, BLOCK, tail=60) == 60
+
+
+def test_plan_load_and_plan_save_carry_the_tail_in_its_own_blocks() -> None:
+    prompt = tokens(600)
+    *full, tail = chunk_keys(prompt, LAYOUT, CHUNK, include_partial=True)
+    keys = [(k,) for k in full]
+    blocks = [10, 11, 12, 13, 14, 15]
+    loads = plan_load(keys, 128, 600, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks, tail=(tail,))
+    assert loads == (
+        ChunkLoad(keys[0], 1, (11,)),
+        ChunkLoad(keys[1], 0, (12, 13)),
+        ChunkLoad((tail,), 0, (14,), 1),
+    )
+    # a tail right at the prompt's start: the whole load is the tail
+    (short,) = chunk_keys(prompt[:200], LAYOUT, CHUNK, include_partial=True)
+    assert plan_load([], 0, 200, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks, tail=(short,)) == (
+        ChunkLoad((short,), 0, (10, 11), 2),
+    )
+    saves = plan_save(keys, prompt, 2, 2, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks, tail=(tail,))
+    assert [(s.keys, s.token_ids, s.block_ids) for s in saves] == [((tail,), tuple(prompt[512:]), (14,))]
+    with pytest.raises(ValueError, match="tail"):
+        plan_save(keys, prompt, 0, 1, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks, tail=(tail,))
+    with pytest.raises(ValueError, match="blocks"):
+        plan_save(keys, prompt, 0, 2, chunk_size=CHUNK, block_size=BLOCK, block_ids=blocks[:4], tail=(tail,))
 
 
 # -- the scheduler half
@@ -424,3 +456,222 @@ def test_workers_must_be_positive() -> None:
         ChunkPlanner(
             chunk_size=CHUNK, block_size=BLOCK, keys_for=lambda t: [], locate=lambda k: [], workers=0
         )
+
+
+# -- partial tails
+
+
+class TailStore(FakeStore):
+    """`FakeStore` that also keeps the partial tails the planner saves, offered after their parent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tails: dict[bytes | None, dict[int, bytes]] = {}
+        self.parents: list[bytes | None] = []
+
+    def locate_tails(
+        self, keys: Sequence[ChunkKey], parent: ChunkKey | None
+    ) -> tuple[list[str], list[StoredTail]]:
+        found = self.locate(keys)
+        self.parents.append(parent)
+        after = keys[len(found) - 1] if found else parent
+        offers = self.tails.get(after, {})
+        return found, [StoredTail(n, key, self.tiers.get(key, "memory")) for n, key in offers.items()]
+
+    def keep(self, save: RequestSave) -> None:
+        """Store what a save job sends, as the cache server does (rank 0's keys)."""
+        parent = None if save.parent is None else save.parent[0]
+        for chunk in save.chunks:
+            self.tiers[chunk.keys[0]] = "memory"
+            if len(chunk.token_ids) < CHUNK:
+                self.tails.setdefault(parent, {})[len(chunk.token_ids)] = chunk.keys[0]
+            parent = chunk.keys[0]
+
+
+def tail_planner(store: TailStore, layouts: Sequence[KVLayout] = (LAYOUT,)) -> ChunkPlanner:
+    return ChunkPlanner(
+        CHUNK,
+        BLOCK,
+        keys_by_rank(layouts, CHUNK),
+        store.locate,
+        tail_keys_for=tail_keys_by_rank(layouts, CHUNK),
+        locate_tails=store.locate_tails,
+        workers=len(layouts),
+    )
+
+
+def run_prompt(p: ChunkPlanner, store: TailStore, req: str, prompt: list[int], blocks: list[int]) -> int:
+    """One request computed in one step (its lookup, load and saves); the tokens it matched."""
+    matched = p.match(req, prompt, 0)
+    p.allocated(req, matched)
+    p.schedule_new(req, prompt, blocks, matched, len(prompt) - matched)
+    for save in p.take_plan().saves:
+        store.keep(save)
+    return matched
+
+
+def test_tail_keys_by_rank_are_each_ranks_partial_tail_key() -> None:
+    layouts = [kv_layout("tiny", TINY, block_layout=CPU, tp_rank=r, tp_size=2) for r in range(2)]
+    prompt = tokens(600)
+    full = keys_by_rank(layouts, CHUNK)(prompt)
+    tail = tail_keys_by_rank(layouts, CHUNK)(prompt[512:], full[-1])
+    for rank in range(2):
+        assert tail[rank] == chunk_keys(prompt, layouts[rank], CHUNK, include_partial=True)[-1]
+    assert tail[0] != tail[1]
+    assert (
+        tail_keys_by_rank(layouts, CHUNK)(prompt[:88], None)[0]
+        == chunk_keys(prompt[:88], layouts[0], CHUNK, include_partial=True)[0]
+    )
+    for bad in ([], prompt[:CHUNK]):
+        with pytest.raises(ValueError, match="partial tail"):
+            tail_keys_by_rank(layouts, CHUNK)(bad, None)
+
+
+def test_a_computed_prompt_saves_its_tail_after_its_last_full_chunk() -> None:
+    store, prompt = TailStore(), tokens(600)
+    p = tail_planner(store)
+    assert p.match("r", prompt, 0) == 0
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, [4, 5, 6, 7, 8], 0, 600)
+    (save,) = p.take_plan().saves
+    *full, tail = chunk_keys(prompt, LAYOUT, CHUNK, include_partial=True)
+    assert save.parent is None and [c.keys for c in save.chunks] == [(full[0],), (full[1],), (tail,)]
+    assert save.chunks[-1].token_ids == tuple(prompt[512:]) and save.chunks[-1].block_ids == (8,)
+    assert p.num_tail_saves == 1
+    p.schedule_cached("r", [9], False, 600, 1)  # decoding: the tail is not saved again
+    assert not p.take_plan()
+
+
+def test_chunked_prefill_saves_the_tail_once_the_whole_prompt_is_computed() -> None:
+    store, prompt = TailStore(), tokens(600)
+    p = tail_planner(store)
+    p.match("r", prompt, 0)
+    p.allocated("r", 0)
+    p.schedule_new("r", prompt, [1, 2, 3, 4], 0, 512)
+    (save,) = p.take_plan().saves
+    assert len(save.chunks) == 2  # the full chunks; the tail's tokens are not computed yet
+    p.schedule_cached("r", [5], False, 512, 88)
+    (save,) = p.take_plan().saves
+    keys = chunk_keys(prompt, LAYOUT, CHUNK, include_partial=True)
+    assert save.parent == (keys[1],) and [c.keys for c in save.chunks] == [(keys[2],)]
+    assert save.chunks[0].block_ids == (5,)
+
+
+def test_the_next_round_loads_the_stored_tail_past_the_last_full_chunk() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    assert run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8]) == 0
+    round2 = round1 + tokens(100, seed=2)  # chunk 2 now holds round 1's tail and more
+    assert p.match("r2", round2, 0) == 600
+    assert store.parents[-1] is None  # looked up from the prompt's start
+    p.allocated("r2", 600)
+    assert p.sources("r2", 600) == {"memory": 600}
+    p.schedule_new("r2", round2, [10, 11, 12, 13, 14, 15], 600, 100)
+    plan = p.take_plan()
+    (load,) = plan.loads
+    (_, tail) = chunk_keys(round1, LAYOUT, CHUNK, include_partial=True)[1:]
+    assert [(c.keys, c.block_ids, c.blocks) for c in load.chunks][-1] == ((tail,), (14,), 1)
+    assert load.block_ids() == [10, 11, 12, 13, 14]
+    assert (p.num_tail_loads, p.num_tail_tokens) == (1, 88)
+    # round 2 saves its own tail (round 1's inside it) after the same two chunks
+    (save,) = plan.saves
+    assert [len(c.token_ids) for c in save.chunks] == [188] and save.parent == (load.chunks[1].keys[0],)
+
+
+def test_a_tail_is_capped_before_the_prompts_last_token_and_the_longest_fitting_wins() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    run_prompt(p, store, "r0", round1[:552], [4, 5, 6, 7, 8])  # a 40-token tail after the same chunks
+    assert set(store.tails[chunk_keys(round1, LAYOUT, CHUNK)[1]]) == {88, 40}
+    assert p.match("same", round1, 0) == 552  # 88 would reach the last token: the 40-token tail
+    assert p.match("longer", [*round1, 7], 0) == 600  # 88 fits before the last token
+    assert p.match("short", round1[:553], 0) == 552  # exactly up to the last token
+    assert p.match("shorter", round1[:552], 0) == 512
+
+
+def test_the_tails_tokens_count_under_its_own_tier() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    store.tiers[chunk_keys(round1, LAYOUT, CHUNK, include_partial=True)[-1]] = "disk"
+    assert p.match("r2", [*round1, 1], 128) == 472
+    assert p.sources("r2", 472) == {"memory": 384, "disk": 88}
+
+
+def test_a_tail_whose_key_differs_is_not_loaded() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    other = round1[:512] + tokens(88, seed=9) + tokens(50, seed=3)  # same chunks, another tail
+    assert p.match("r2", other, 0) == 512
+    store.tails[chunk_keys(round1, LAYOUT, CHUNK)[1]][88] = b"\0" * 32  # a key the planner never computes
+    assert p.match("r3", [*round1, 1], 0) == 512
+
+
+def test_a_local_hit_of_every_full_chunk_still_finds_the_tail() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    round2 = round1 + [5] * 20  # still two full chunks, both a local hit
+    assert p.match("r2", round2, 512) == 88
+    assert store.lookups[-1] == [] and store.parents[-1] == chunk_keys(round1, LAYOUT, CHUNK)[1]
+    p.allocated("r2", 88)
+    p.schedule_new("r2", round2, [4, 5, 6, 7, 9], 600, 20)
+    (load,) = p.take_plan().loads
+    assert [(c.first_block, c.block_ids, c.blocks) for c in load.chunks] == [(0, (9,), 1)]
+
+
+def test_tensor_parallel_ranks_load_and_save_their_own_tail_keys() -> None:
+    layouts = [kv_layout("tiny", TINY, block_layout=CPU, tp_rank=r, tp_size=2) for r in range(2)]
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store, layouts)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    tails = tuple(chunk_keys(round1, layout, CHUNK, include_partial=True)[-1] for layout in layouts)
+    assert store.tails[chunk_keys(round1, layouts[0], CHUNK)[1]] == {88: tails[0]}
+    assert p.match("r2", round1 + [3] * 30, 0) == 600
+    p.allocated("r2", 600)
+    p.schedule_new("r2", round1 + [3] * 30, list(range(10, 16)), 600, 30)
+    (load,) = p.take_plan().loads
+    assert load.chunks[-1].keys == tails
+
+
+def test_without_the_tail_lookup_only_full_chunks_are_saved_and_loaded() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = planner(store)  # no tail keys, no tail lookup: the off switch
+    assert not p.tails
+    p.match("r1", round1, 0)
+    p.allocated("r1", 0)
+    p.schedule_new("r1", round1, [4, 5, 6, 7, 8], 0, 600)
+    (save,) = p.take_plan().saves
+    assert [len(c.token_ids) for c in save.chunks] == [CHUNK, CHUNK]
+
+
+def test_handed_off_and_stored_end_count_full_chunks_only() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    assert p.handed_off("r1") == (512, chunk_keys(round1, LAYOUT, CHUNK)[1])
+    assert p.match("r2", [*round1, 1], 0) == 600
+    assert p.stored_end("r2") == 512
+
+
+def test_a_resumed_request_loads_its_tail_again_and_saves_its_own_again() -> None:
+    store, round1 = TailStore(), tokens(600)
+    p = tail_planner(store)
+    run_prompt(p, store, "r1", round1, [4, 5, 6, 7, 8])
+    round2 = round1 + [2] * 30
+    p.match("r2", round2, 0)
+    p.allocated("r2", 600)
+    p.schedule_new("r2", round2, [10, 11, 12, 13, 14, 15], 600, 30)
+    first = p.take_plan()
+    assert first.loads and first.saves
+    p.preempted(["r2"])
+    p.match("r2", round2, 0)
+    p.allocated("r2", 600)
+    p.schedule_cached("r2", [20, 21, 22, 23, 24, 25], True, 600, 30)
+    again = p.take_plan()
+    (load,) = again.loads
+    assert load.chunks[-1].block_ids == (24,) and load.chunks[-1].blocks == 1
+    (save,) = again.saves
+    assert len(save.chunks[-1].token_ids) == 630 - 512

@@ -29,6 +29,7 @@ from kvstack.kvevents.codec import BlockStored, decode_batch, decode_seq, encode
 from support.cache import CacheServerProcess
 from support.connector import MODEL_ID, Answer, assert_close, start_connector_engine
 from support.engines import EngineProcess
+from support.waiting import wait_until
 
 pytestmark = pytest.mark.vllm
 
@@ -52,6 +53,7 @@ FRESH = prompt(6)  # only ever sent to B
 CONCURRENT = [prompt(10 + i, 520 + 20 * i) for i in range(6)]  # two full chunks each
 SHARED = prompt(20, 400)  # a full chunk and part of the next
 PREFIX_X, PREFIX_Y = SHARED + prompt(21, 300), SHARED + prompt(22, 300)
+ROUND1, QUESTION = prompt(30), prompt(31, 50)  # a chat's first round: two full chunks and an 88-token tail
 CHAT = [
     {"role": "system", "content": "You answer questions about the document."},
     {
@@ -300,8 +302,8 @@ from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import chunk_keys
 from kvstack.connector.vllm_v1 import KVStackWorkerReport
 
-scheduler = connector(KVConnectorRole.SCHEDULER, timeout_s=2.0)
-worker = connector(KVConnectorRole.WORKER, timeout_s=2.0)
+scheduler = connector(KVConnectorRole.SCHEDULER, timeout_s=2.0, chunk_size=256)
+worker = connector(KVConnectorRole.WORKER, timeout_s=2.0, chunk_size=256)
 torch.manual_seed(0)
 kv = {name: torch.randn(16, 2, 128, 128).to(torch.bfloat16) for name in LAYERS}
 worker.register_kv_caches(kv)
@@ -531,6 +533,34 @@ def test_saves_reach_the_server_while_the_engine_runs(
     log = engine_b.log_path.read_text(errors="replace")
     assert "finished with saves in flight; vLLM keeps its blocks" in log
     assert "not saved" not in log and "Traceback" not in log
+
+
+def test_the_next_chat_round_loads_the_previous_prompts_partial_tail(
+    engine_b: EngineProcess, cache_server: CacheServerProcess
+) -> None:
+    """Round 1 is computed and saved: its two full chunks and its 88-token tail. With the engine's prefix
+    cache reset, round 2 (round 1, its answer, a question) loads both chunks and the tail, 600 tokens, past
+    the last full chunk, and answers as the same prompt computed without the tier (a cache salt)."""
+    first = complete(engine_b, ROUND1)
+    round2 = ROUND1 + [int(t.removeprefix("token_id:")) for t in first.tokens] + QUESTION
+    tail = chunk_keys(ROUND1, LAYOUT, CHUNK, include_partial=True)[-1]
+    client = cache_server.client()
+    try:
+        wait_until(lambda: client.exists([tail]) == [True], what="round 1's tail saved", timeout_s=20)
+    finally:
+        client.close()
+    reset_prefix_cache(engine_b)
+    without_tier = complete(engine_b, round2, cache_salt="no tier")
+    reset_prefix_cache(engine_b)
+    hits = external_hits(engine_b)
+    computed = metric(engine_b, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    answer = complete(engine_b, round2)
+    assert external_hits(engine_b) - hits == 600  # without the tail: 512
+    assert metric(engine_b, "vllm:prompt_tokens_by_source_total", source="local_compute") == (
+        computed + len(round2) - 600
+    )
+    assert_close(answer, without_tier)
+    assert "to recompute" not in engine_b.log_path.read_text(errors="replace")
 
 
 def test_a_chat_prompt_is_loaded_too(engine_b: EngineProcess, cold: dict[str, Any]) -> None:

@@ -30,6 +30,7 @@ from typing import Any
 from kvstack.cache.keys import DEFAULT_CHUNK_SIZE
 from kvstack.cache.server import DEFAULT_BIND, CacheServer
 from kvstack.cache.store import TieredStore
+from kvstack.cache.tails import DEFAULT_TAIL_LIMIT
 from kvstack.cache.tiers import DiskTier, MemoryTier, Tier
 
 __all__ = ["add_cache_server_parser", "main", "run_cache_server"]
@@ -90,6 +91,13 @@ def add_cache_server_parser(sub: argparse._SubParsersAction[argparse.ArgumentPar
         type=int,
         default=DEFAULT_CHUNK_SIZE,
         help=f"tokens per chunk: the connectors' chunk_size, the events' block_size ({DEFAULT_CHUNK_SIZE})",
+    )
+    p.add_argument(
+        "--tail-index",
+        type=int,
+        default=DEFAULT_TAIL_LIMIT,
+        help="prompts' partial last chunks indexed for lookups; least recently used dropped first "
+        f"({DEFAULT_TAIL_LIMIT})",
     )
     p.add_argument("--node", help="this server's node name in events and stats (default: the hostname)")
     p.add_argument("--secret-file", help="file holding the shared secret clients must sign requests with")
@@ -155,8 +163,16 @@ def _secret(path: str | None) -> bytes | None:
 def run_cache_server(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO))
     try:
-        if args.memory_gb <= 0 or args.disk_gb <= 0 or args.chunk_size < 1 or args.max_message_mb <= 0:
-            raise ValueError("--memory-gb, --disk-gb, --chunk-size and --max-message-mb must be positive")
+        if (
+            args.memory_gb <= 0
+            or args.disk_gb <= 0
+            or args.chunk_size < 1
+            or args.max_message_mb <= 0
+            or args.tail_index < 1
+        ):
+            raise ValueError(
+                "--memory-gb, --disk-gb, --chunk-size, --max-message-mb and --tail-index must be positive"
+            )
         if not args.disk_inline_read_mib >= 0:  # NaN too
             raise ValueError("--disk-inline-read-mib must be >= 0")
         secret = _secret(args.secret_file)
@@ -173,6 +189,7 @@ def run_cache_server(args: argparse.Namespace) -> int:
             http_host=args.http_host,
             max_message_bytes=int(args.max_message_mb * (1 << 20)),
             unix_path=args.unix_socket,
+            tail_limit=args.tail_index,
         )
     except (OSError, ValueError) as e:
         print(f"kvstack cache-server: {e}", file=sys.stderr)

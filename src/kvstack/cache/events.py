@@ -7,7 +7,8 @@ becomes ``BlockStored`` / ``BlockRemoved`` with medium ``CPU`` (memory tier), ``
 
 - ``block_hashes``: a chunk key's first 8 bytes, big-endian (`block_hash`); ``block_size``: the chunk size.
 - Only a put carries token ids: `remember` keeps each full chunk's tokens, parent and model (the last
-  ``max_remembered`` chunks). A chunk with no known tokens gets no ``BlockStored``; ``BlockRemoved`` always.
+  ``max_remembered`` chunks). A chunk with no known tokens (a prompt's partial tail included: routers count
+  full chunks) gets no ``BlockStored``; ``BlockRemoved`` always.
 - ``extra_keys``: ``(MODEL_EXTRA_KEY, model)`` per chunk when the put named its model.
 - Restarts: the disk tier keeps each chunk's note (`annotation`, `pack_note`); `restored` announces the
   chunks it finds at start, parents before children. Redis chunks from before a restart are not announced.

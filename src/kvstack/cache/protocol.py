@@ -59,6 +59,7 @@ __all__ = [
     "Request",
     "Stats",
     "StatsReply",
+    "StoredTail",
     "UnixFramer",
     "decode_reply",
     "decode_request",
@@ -120,9 +121,13 @@ class Hello(_Message, tag="hello"):
 
 class Lookup(_Message, tag="lookup"):
     """-> `LookupReply`: ``count``, the longest consecutive prefix of ``keys`` held, and ``tiers``, a tier
-    name per chunk of it."""
+    name per chunk of it. With ``tails``: also ``tails``, the partial tails (`StoredTail`) held right after
+    that prefix, i.e. stored with its last key as parent (``parent``, the key before ``keys[0]``, when the
+    prefix is empty; None: the prompt's start)."""
 
     keys: bytes
+    tails: bool = False
+    parent: bytes | None = None
 
 
 class Exists(_Message, tag="exists"):
@@ -189,9 +194,19 @@ class HelloReply(_Message, tag="hello"):
     max_keys: int = 0
 
 
+class StoredTail(msgspec.Struct, array_like=True, frozen=True):
+    """A prompt's partial last chunk the server holds: ``length`` tokens (fewer than a chunk) under ``key``,
+    in tier ``tier``."""
+
+    length: int
+    key: bytes
+    tier: str
+
+
 class LookupReply(_Message, tag="lookup"):
     count: int
     tiers: list[str]
+    tails: list[StoredTail] = msgspec.field(default_factory=list)
 
 
 class ExistsReply(_Message, tag="exists"):

@@ -46,6 +46,7 @@ from kvstack.cache.protocol import (
 from kvstack.cache.service import CacheService, Frames
 from kvstack.cache.shm import ServerArenas
 from kvstack.cache.store import TieredStore
+from kvstack.cache.tails import DEFAULT_TAIL_LIMIT, TailIndex
 from kvstack.kvevents.publisher import KVEventPublisher
 from kvstack.logs import ThrottledLog
 
@@ -79,6 +80,7 @@ class CacheServer:
     - ``events_endpoint``: admit/evict events on ZMQ PUB (``kvstack.cache.events``), topic
       ``kvstack-cache/<node>``; ``events_replay_endpoint`` serves replays. At start, the chunks the disk tier
       kept are announced (``BlockStored`` DISK) while requests are served.
+    - ``tail_limit``: prompts' partial last chunks indexed for lookups (``kvstack.cache.tails``).
     - ``http_port``: ``GET /metrics`` (``kvstack.cache.metrics``) and ``GET /health`` on ``http_host``.
     """
 
@@ -99,6 +101,7 @@ class CacheServer:
         max_concurrency: int = 64,
         context: zmq.asyncio.Context | None = None,
         unix_path: str | None = None,
+        tail_limit: int = DEFAULT_TAIL_LIMIT,
     ) -> None:
         if secret is not None and not secret:
             raise ValueError("secret must be non-empty (or None for no authentication)")
@@ -147,6 +150,8 @@ class CacheServer:
             events=self.events,
             publisher=self.publisher,
             in_flight=lambda: len(self._tasks),
+            chunk_size=chunk_size,
+            tails=TailIndex(tail_limit),
         )
         self._sock: zmq.Socket[bytes] | None = None
         self._tasks: set[asyncio.Task[None]] = set()

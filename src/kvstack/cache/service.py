@@ -9,6 +9,8 @@ socket; the transports and the concurrency are ``kvstack.cache.server``'s).
 - Requests over ``max_keys`` keys are refused; payloads travel through the client's shared-memory arena
   where it offered one (``kvstack.cache.shm``), through frames otherwise; a get reply carries at most
   ``max_message_bytes`` in frames (``more`` says to ask again). Puts with token ids feed the admit events.
+- Partial tails: a put chunk with fewer token ids than ``chunk_size`` is a prompt's tail; it goes into
+  ``tails`` (`TailIndex`, by its parent) and a lookup that asks gets the tails held after its prefix.
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ from kvstack.cache.protocol import (
     Request,
     Stats,
     StatsReply,
+    StoredTail,
     key_bytes,
     request_mac,
     split_keys,
 )
 from kvstack.cache.shm import ALIGN, ArenaError, ServerArena, ServerArenas
 from kvstack.cache.store import TieredStore
+from kvstack.cache.tails import TailIndex
 from kvstack.kvevents.publisher import KVEventPublisher
 
 __all__ = ["MAX_MODEL_CHARS", "CacheService", "Frames"]
@@ -81,8 +85,12 @@ class CacheService:
         events: ChunkEvents | None,
         publisher: KVEventPublisher | None,
         in_flight: Callable[[], int],
+        chunk_size: int,
+        tails: TailIndex,
     ) -> None:
         self.store = store
+        self.chunk_size = chunk_size
+        self.tails = tails
         self.node = node
         self.max_message_bytes = max_message_bytes
         self.max_keys = max_keys
@@ -124,7 +132,16 @@ class CacheService:
             case Lookup():
                 keys = self._key_bytes(request.keys, rid)
                 found = self.store.lookup_now(keys)
-                return None if found is None else (self._lookup_reply(rid, len(keys), *found), [])
+                if found is None:
+                    return None
+                tails: list[StoredTail] = []
+                if request.tails:
+                    parent = self._tail_parent(request, keys, found[0])
+                    now = self._tails_now(parent)
+                    if now is None:
+                        return None
+                    tails = now
+                return self._lookup_reply(rid, len(keys), *found, tails), []
             case Put():
                 return self._put(request, frames), []
             case Hello():
@@ -140,7 +157,10 @@ class CacheService:
             case Lookup():
                 keys = self._key_bytes(request.keys, rid)
                 count, tiers = await self.store.lookup(keys)
-                return self._lookup_reply(rid, len(keys), count, tiers), []
+                tails: list[StoredTail] = []
+                if request.tails:
+                    tails = await self._tails(self._tail_parent(request, keys, count))
+                return self._lookup_reply(rid, len(keys), count, tiers, tails), []
             case Exists():
                 present = await self.store.exists(self._key_bytes(request.keys, rid))
                 return ExistsReply(id=rid, present=present), []
@@ -152,14 +172,49 @@ class CacheService:
             case Clear():
                 # The clear is announced as soon as memory is empty: a chunk stored while the lower
                 # tiers are being emptied is announced after it (and kept: see TieredStore.clear).
+                self.tails.clear()
                 await self.store.clear(on_empty=None if self.events is None else self.events.cleared)
                 return ClearReply(id=rid), []
         raise ProtocolError(ErrorCode.UNKNOWN_OP, f"op {type(request).__name__} is not served", rid)
 
-    def _lookup_reply(self, rid: int, asked: int, count: int, tiers: list[str]) -> LookupReply:
+    def _lookup_reply(
+        self, rid: int, asked: int, count: int, tiers: list[str], tails: list[StoredTail]
+    ) -> LookupReply:
         self.metrics.lookup_hits += count
         self.metrics.lookup_misses += asked - count
-        return LookupReply(id=rid, count=count, tiers=tiers)
+        return LookupReply(id=rid, count=count, tiers=tiers, tails=tails)
+
+    def _tail_parent(self, request: Lookup, keys: Sequence[bytes], count: int) -> bytes | None:
+        if count:
+            return keys[count - 1]
+        if request.parent is not None and len(request.parent) != KEY_BYTES:
+            raise ProtocolError(
+                ErrorCode.BAD_REQUEST, f"parent is {len(request.parent)} bytes, not 32", request.id
+            )
+        return request.parent
+
+    def _tails_now(self, parent: bytes | None) -> list[StoredTail] | None:
+        """The tails held after ``parent``, or None when a tier must be asked with I/O."""
+        held: list[StoredTail] = []
+        for length, key in self.tails.after(parent):
+            found = self.store.lookup_now((key,))
+            if found is None:
+                return None
+            if found[0]:
+                held.append(StoredTail(length, key, found[1][0]))
+            else:
+                self.tails.forget(parent, key)
+        return held
+
+    async def _tails(self, parent: bytes | None) -> list[StoredTail]:
+        held: list[StoredTail] = []
+        for length, key in self.tails.after(parent):
+            count, tiers = await self.store.lookup((key,))
+            if count:
+                held.append(StoredTail(length, key, tiers[0]))
+            else:
+                self.tails.forget(parent, key)
+        return held
 
     def _hello(self, request: Hello) -> HelloReply:
         reply = HelloReply(
@@ -269,6 +324,9 @@ class CacheService:
             if self.events is not None and request.token_ids:
                 self.events.remember(keys, request.parent, request.token_ids, request.model)
             stored = self.store.put(keys, payloads)
+            for i, tokens in enumerate(request.token_ids or ()):
+                if 0 < len(tokens) < self.chunk_size:
+                    self.tails.add(keys[i - 1] if i else request.parent, len(tokens), keys[i])
         finally:
             payloads.clear()
             for view in views:
@@ -306,7 +364,11 @@ class CacheService:
 
     def _stats(self) -> dict[str, Any]:
         stats = dataclasses.asdict(self.store.stats())
-        stats["server"] = {"arenas": len(self.arenas), "in_flight": self._in_flight()}
+        stats["server"] = {
+            "arenas": len(self.arenas),
+            "in_flight": self._in_flight(),
+            "tails": len(self.tails),
+        }
         if self.publisher is not None:
             stats["server"]["events_published"] = self.publisher.sent_events
         return stats

@@ -41,6 +41,8 @@ class ConnectorConfig:
                                  block size (128 on CPU, 16 on GPU)
     load            true         look chunks up and load them into the engine's KV blocks
     save            true         save the chunks the engine computes
+    partial_tail    true         also save each prompt's partial last chunk (fewer tokens than a chunk) and
+                                 load a stored one right after the loaded chunks (one lookup finds both)
     timeout_s       1.0          bound of one round trip to the server (a lookup holds the scheduler)
     retry_max_s     30.0         after failures, the server is skipped (misses, no I/O) for up to this long
     model_id        model path   the model's name in chunk keys: set it when engines load the same
@@ -60,6 +62,7 @@ class ConnectorConfig:
     chunk_size: int = DEFAULT_CHUNK_SIZE
     load: bool = True
     save: bool = True
+    partial_tail: bool = True
     timeout_s: float = 1.0
     retry_max_s: float = 30.0
     model_id: str | None = None
@@ -95,6 +98,7 @@ _TYPES: dict[str, tuple[type, ...]] = {
     "chunk_size": (int,),
     "load": (bool,),
     "save": (bool,),
+    "partial_tail": (bool,),
     "timeout_s": (int, float),
     "retry_max_s": (int, float),
     "model_id": (str,),

@@ -6,8 +6,13 @@ other effect than remembering its answer), ``allocated`` (update_state_after_all
 ``schedule_cached`` / ``preempted`` and ``take_plan`` (build_connector_meta), ``acknowledged``
 (update_connector_output: save jobs the workers are done reading), ``finished`` (request_finished).
 ``stored_end``, ``chunk_key`` and ``handed_off`` answer P/D disaggregation's questions
-(``kvstack.connector.handoff``). The lookup and the key function are passed in, so tests drive it with a
-dict for a store.
+(``kvstack.connector.handoff``), in full chunks only. The lookup and the key function are passed in, so
+tests drive it with a dict for a store.
+
+Partial tails (with ``tail_keys_for`` and ``locate_tails``): the lookup also returns the tails stored right
+after the found prefix; the planner computes its own tail key for each offered length (longest first, at
+most up to the prompt's last token) and the first equal to the offered one extends the hit into the tail.
+Once the whole prompt is computed, its own tail is saved after its last full chunk.
 
 Saves are asynchronous: each planned save job must be acknowledged by every worker before a request's
 blocks may be freed. ``finished`` answers whether vLLM must keep them (some job not acknowledged yet);
@@ -22,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvstack.cache.keys import ChunkKey, KVLayout, chunk_keys, pack_token_ids
+from kvstack.cache.protocol import StoredTail
 from kvstack.connector.plan import (
     RankKeys,
     RequestLoad,
@@ -32,12 +38,18 @@ from kvstack.connector.plan import (
     plan_save,
 )
 
-__all__ = ["ChunkPlanner", "keys_by_rank"]
+__all__ = ["ChunkPlanner", "keys_by_rank", "tail_keys_by_rank"]
 
 Locate = Callable[[Sequence[ChunkKey]], list[str]]
 """The tier of each chunk of the longest consecutive prefix of the keys the store holds (a miss: [])."""
 KeysFor = Callable[[Sequence[int]], list[RankKeys]]
 """The chunk keys (one per tensor-parallel rank) of every full chunk of some token ids."""
+LocateTails = Callable[[Sequence[ChunkKey], ChunkKey | None], tuple[list[str], Sequence[StoredTail]]]
+"""`Locate`, and the partial tails stored right after that prefix (the second argument: the key before the
+first key, None at the prompt's start)."""
+TailKeysFor = Callable[[Sequence[int], RankKeys | None], RankKeys]
+"""The partial-tail key (one per rank) of token ids shorter than a chunk after the chunk with the given keys
+(None: at the prompt's start)."""
 
 
 def keys_by_rank(layouts: Sequence[KVLayout], chunk_size: int) -> KeysFor:
@@ -51,9 +63,32 @@ def keys_by_rank(layouts: Sequence[KVLayout], chunk_size: int) -> KeysFor:
     return keys_for
 
 
+def tail_keys_by_rank(layouts: Sequence[KVLayout], chunk_size: int) -> TailKeysFor:
+    """A `TailKeysFor` over ``layouts`` (one per tensor-parallel rank, in rank order)."""
+
+    def tail_keys_for(token_ids: Sequence[int], parent: RankKeys | None) -> RankKeys:
+        if not 0 < len(token_ids) < chunk_size:
+            raise ValueError(f"a partial tail has 1 to {chunk_size - 1} tokens, got {len(token_ids)}")
+        return tuple(
+            chunk_keys(token_ids, layout, chunk_size, True, None if parent is None else parent[rank])[-1]
+            for rank, layout in enumerate(layouts)
+        )
+
+    return tail_keys_for
+
+
 # Lookups remembered for requests not scheduled yet; vLLM reports every request's end (request_finished),
 # this only bounds the memory if that ever fails to happen.
 _MAX_PENDING = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """A stored partial tail the prompt continues with: its ``length`` tokens after the stored prefix."""
+
+    length: int
+    keys: RankKeys
+    tier: str
 
 
 @dataclass(slots=True)
@@ -66,6 +101,8 @@ class _Match:
     """The chunk holding token ``local``: where the lookup started."""
     tiers: list[str]
     """Tier of each stored chunk from ``first_chunk`` on."""
+    tail: _Tail | None = None
+    """The stored tail right after those chunks, when the prompt continues with it."""
     external: int = 0
     """Tokens vLLM agreed to load (``allocated``)."""
 
@@ -77,6 +114,7 @@ class _Tracked:
     block_ids: list[int]
     next_save: int
     """The first chunk not saved yet (nor known to be stored, nor a local hit)."""
+    tail_saved: bool = False
 
 
 @dataclass(slots=True)
@@ -92,6 +130,13 @@ class ChunkPlanner:
     log: logging.Logger = field(default_factory=lambda: logging.getLogger(__name__))
     disabled: str | None = None
     """Why the connector is off (then nothing is looked up, loaded or saved)."""
+    tail_keys_for: TailKeysFor | None = None
+    locate_tails: LocateTails | None = None
+    """Both set: partial tails are looked up, loaded and saved (else full chunks only)."""
+    num_tail_loads: int = 0
+    num_tail_tokens: int = 0
+    """Tail loads planned, and the tail tokens they fill."""
+    num_tail_saves: int = 0
     num_finished: int = 0
     num_held: int = 0
     """Finished requests whose blocks vLLM kept for saves in flight."""
@@ -110,12 +155,18 @@ class ChunkPlanner:
         if self.workers < 1:
             raise ValueError(f"workers must be >= 1, got {self.workers}")
 
-    def enable(self, keys_for: KeysFor) -> None:
-        """Start looking up, loading and saving with chunk keys from ``keys_for`` (a planner built with
-        ``disabled`` set waits for this: the key namespace is known only once the workers report their KV
-        cache layout)."""
+    def enable(self, keys_for: KeysFor, tail_keys_for: TailKeysFor | None = None) -> None:
+        """Start looking up, loading and saving with chunk keys from ``keys_for`` and ``tail_keys_for`` (a
+        planner built with ``disabled`` set waits for this: the key namespace is known only once the workers
+        report their KV cache layout)."""
         self.keys_for = keys_for
+        self.tail_keys_for = tail_keys_for
         self.disabled = None
+
+    @property
+    def tails(self) -> bool:
+        """Whether partial tails are looked up, loaded and saved."""
+        return self.tail_keys_for is not None and self.locate_tails is not None
 
     def disable(self, reason: str) -> None:
         """Stop looking up, loading and saving (e.g. the workers refused the KV cache layout). Saves
@@ -143,13 +194,37 @@ class ChunkPlanner:
             keys = self.keys_for(token_ids)
         first_chunk = num_computed_tokens // self.chunk_size
         tiers: list[str] = []
-        if self.load and first_chunk < len(keys):
+        tail: _Tail | None = None
+        if self.load and self.locate_tails is not None and self.tail_keys_for is not None:
+            # Even with every full chunk a local hit: a tail may follow the last one.
+            parent = keys[first_chunk - 1][0] if first_chunk else None
+            tiers, offers = self.locate_tails([k[0] for k in keys[first_chunk:]], parent)
+            tail = self._tail(token_ids, keys, first_chunk + len(tiers), offers)
+        elif self.load and first_chunk < len(keys):
             tiers = self.locate([k[0] for k in keys[first_chunk:]])
         if len(self._matches) >= _MAX_PENDING and req_id not in self._matches:
             self._matches.pop(next(iter(self._matches)))
-        self._matches[req_id] = _Match(keys, len(token_ids), num_computed_tokens, first_chunk, tiers)
+        self._matches[req_id] = _Match(keys, len(token_ids), num_computed_tokens, first_chunk, tiers, tail)
         stored_end = (first_chunk + len(tiers)) * self.chunk_size
-        return max(0, loadable_end(len(token_ids), stored_end, self.block_size) - num_computed_tokens)
+        end = loadable_end(len(token_ids), stored_end, self.block_size, 0 if tail is None else tail.length)
+        return max(0, end - num_computed_tokens)
+
+    def _tail(
+        self, token_ids: Sequence[int], keys: list[RankKeys], chunks: int, offers: Sequence[StoredTail]
+    ) -> _Tail | None:
+        """The offered tail the prompt continues with after its first ``chunks`` chunks: the longest whose
+        key this planner computes too, and that ends before the prompt's last token."""
+        assert self.tail_keys_for is not None
+        start = chunks * self.chunk_size
+        room = min(len(token_ids) - 1 - start, self.chunk_size - 1)
+        parent = keys[chunks - 1] if chunks else None
+        for offer in sorted(offers, key=lambda o: o.length, reverse=True):
+            if not 0 < offer.length <= room:
+                continue
+            mine = self.tail_keys_for(token_ids[start : start + offer.length], parent)
+            if mine[0] == offer.key:
+                return _Tail(offer.length, mine, offer.tier)
+        return None
 
     def allocated(self, req_id: str, num_external_tokens: int) -> None:
         match = self._matches.get(req_id)
@@ -168,6 +243,11 @@ class ChunkPlanner:
             hi = min(end, (match.first_chunk + i + 1) * self.chunk_size)
             if hi > lo:
                 split[tier] = split.get(tier, 0) + hi - lo
+        if match.tail is not None:
+            lo = max(start, (match.first_chunk + len(match.tiers)) * self.chunk_size)
+            hi = min(end, lo + match.tail.length)
+            if hi > lo:
+                split[match.tail.tier] = split.get(match.tail.tier, 0) + hi - lo
         return split
 
     def stored_end(self, req_id: str) -> int | None:
@@ -206,7 +286,7 @@ class ChunkPlanner:
         tracked = _Tracked(list(token_ids), match.keys, list(block_ids), match.first_chunk + len(match.tiers))
         self._requests[req_id] = tracked
         if match.external > 0:
-            self._plan_load(req_id, tracked, num_computed_tokens - match.external, num_computed_tokens)
+            self._plan_load(req_id, tracked, match, num_computed_tokens)
         self._plan_save(req_id, tracked, num_computed_tokens + num_scheduled_tokens)
 
     def schedule_cached(
@@ -228,10 +308,9 @@ class ChunkPlanner:
             if match is not None:
                 # Saves cancelled at the preemption are planned again; stored chunks are not.
                 tracked.next_save = match.first_chunk + len(match.tiers)
+                tracked.tail_saved = False
                 if match.external > 0:
-                    self._plan_load(
-                        req_id, tracked, num_computed_tokens - match.external, num_computed_tokens
-                    )
+                    self._plan_load(req_id, tracked, match, num_computed_tokens)
         elif new_block_ids:
             tracked.block_ids += new_block_ids
         self._plan_save(req_id, tracked, num_computed_tokens + num_scheduled_tokens)
@@ -286,15 +365,19 @@ class ChunkPlanner:
 
     # -- planning
 
-    def _plan_load(self, req_id: str, tracked: _Tracked, start: int, end: int) -> None:
+    def _plan_load(self, req_id: str, tracked: _Tracked, match: _Match, end: int) -> None:
+        start = end - match.external
+        stored = match.first_chunk + len(match.tiers)
+        tail = match.tail if match.tail is not None and end > stored * self.chunk_size else None
         try:
             chunks = plan_load(
-                tracked.keys,
+                tracked.keys[:stored] if tail is not None else tracked.keys,
                 start,
                 end,
                 chunk_size=self.chunk_size,
                 block_size=self.block_size,
                 block_ids=tracked.block_ids,
+                tail=None if tail is None else tail.keys,
             )
         except ValueError as e:
             # vLLM counts these tokens as computed: report their blocks as failed so it recomputes them.
@@ -303,6 +386,9 @@ class ChunkPlanner:
             self.log.warning("kvstack connector: request %s: cannot load (%s); recomputing", req_id, e)
             return
         self._plan.loads.append(RequestLoad(req_id, chunks))
+        if tail is not None:
+            self.num_tail_loads += 1
+            self.num_tail_tokens += end - max(start, stored * self.chunk_size)
 
     def _plan_save(self, req_id: str, tracked: _Tracked, computed: int) -> None:
         if not self.save:
@@ -311,7 +397,8 @@ class ChunkPlanner:
         end_chunk = min(
             min(computed, len(tracked.token_ids)) // self.chunk_size, len(tracked.keys), have_blocks
         )
-        if end_chunk <= tracked.next_save:
+        tail = self._tail_to_save(tracked, computed, end_chunk)
+        if end_chunk <= tracked.next_save and tail is None:
             return
         first = tracked.next_save
         chunks = plan_save(
@@ -322,7 +409,30 @@ class ChunkPlanner:
             chunk_size=self.chunk_size,
             block_size=self.block_size,
             block_ids=tracked.block_ids,
+            tail=tail,
         )
         tracked.next_save = end_chunk
+        if tail is not None:
+            tracked.tail_saved = True
+            self.num_tail_saves += 1
         self._unacked[req_id] = self._unacked.get(req_id, 0) + self.workers
         self._plan.saves.append(RequestSave(req_id, tracked.keys[first - 1] if first else None, chunks))
+
+    def _tail_to_save(self, tracked: _Tracked, computed: int, end_chunk: int) -> RankKeys | None:
+        """The prompt's tail keys, when it is to be saved now: the whole prompt computed, every full chunk
+        saved or stored by the end of this step, the blocks holding the tail allocated."""
+        n = len(tracked.token_ids)
+        full = len(tracked.keys)
+        if (
+            self.tail_keys_for is None
+            or self.locate_tails is None
+            or tracked.tail_saved
+            or n % self.chunk_size == 0
+            or computed < n
+            or end_chunk < full
+            or len(tracked.block_ids) * self.block_size < n
+        ):
+            return None
+        return self.tail_keys_for(
+            tracked.token_ids[full * self.chunk_size :], tracked.keys[-1] if full else None
+        )

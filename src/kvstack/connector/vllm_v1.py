@@ -39,11 +39,12 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvstack.cache.client import CacheClient
 from kvstack.cache.keys import ChunkKey
+from kvstack.cache.protocol import StoredTail
 from kvstack.connector.config import ConnectorConfig, parse_config
 from kvstack.connector.handoff import Handoff, HandoffWaits, handoff_of, prefill_answer
 from kvstack.connector.layout import AttentionShape, block_layout_name, detect_layout, kv_layout
 from kvstack.connector.plan import RequestSave, StepPlan
-from kvstack.connector.planner import ChunkPlanner, keys_by_rank
+from kvstack.connector.planner import ChunkPlanner, keys_by_rank, tail_keys_by_rank
 from kvstack.connector.saves import SaveQueue
 from kvstack.connector.worker import BlockMover, Payloads
 from kvstack.logs import ThrottledLog
@@ -270,6 +271,7 @@ class KVStackConnector(KVConnectorBase_V1):
             block_size=self._block_size,
             keys_for=lambda token_ids: [],
             locate=self._locate,
+            locate_tails=self._find if config.partial_tail else None,
             load=config.load and transfer.is_kv_consumer,
             save=config.save and transfer.is_kv_producer,
             workers=self._tp_size,
@@ -280,12 +282,14 @@ class KVStackConnector(KVConnectorBase_V1):
             return
         self._client = self._new_client(shm=False, name=f"vllm-scheduler:{self._engine}")
         log.info(
-            "kvstack connector: server %s, chunks of %d tokens (%d blocks), load %s, save %s",
+            "kvstack connector: server %s, chunks of %d tokens (%d blocks), load %s, save %s, "
+            "partial tails %s",
             config.server,
             config.chunk_size,
             config.chunk_size // self._block_size,
             self._planner.load,
             self._planner.save,
+            config.partial_tail,
         )
         if transfer.kv_load_failure_policy != "recompute":
             log.warning(
@@ -311,7 +315,8 @@ class KVStackConnector(KVConnectorBase_V1):
             kv_layout(self._model, self._attn, block_layout=block_layout, tp_rank=r, tp_size=self._tp_size)
             for r in range(self._tp_size)
         ]
-        planner.enable(keys_by_rank(layouts, self._config.chunk_size))
+        chunk_size = self._config.chunk_size
+        planner.enable(keys_by_rank(layouts, chunk_size), tail_keys_by_rank(layouts, chunk_size))
         log.info("kvstack connector: keys of %s", layouts[0])
 
     def _new_client(self, *, shm: bool, name: str) -> CacheClient:
@@ -329,6 +334,9 @@ class KVStackConnector(KVConnectorBase_V1):
 
     def _locate(self, keys: Sequence[ChunkKey]) -> list[str]:
         return [] if self._client is None else self._client.locate(keys)
+
+    def _find(self, keys: Sequence[ChunkKey], parent: ChunkKey | None) -> tuple[list[str], list[StoredTail]]:
+        return ([], []) if self._client is None else self._client.find(keys, parent=parent)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -643,6 +651,14 @@ class KVStackConnector(KVConnectorBase_V1):
             if not self._saves.close(_DRAIN_S):
                 log.warning("kvstack connector: saves still running after %.0f s; abandoned", _DRAIN_S)
             log.info("kvstack connector: saves: %s", self._saves.stats)
+        elif self._planner is not None and self._planner.tails:
+            planner = self._planner
+            log.info(
+                "kvstack connector: partial tails: %d loads planned (%d tokens), %d saves planned",
+                planner.num_tail_loads,
+                planner.num_tail_tokens,
+                planner.num_tail_saves,
+            )
         client = self._mover.client if self._mover is not None else self._client
         if client is not None:
             client.close()

@@ -2,8 +2,8 @@
 
 A chunk's payload is the raw bytes of a ``[layers, blocks_per_chunk, *block]`` tensor (one per chunk,
 every layer in it, so the store's chunk is the router's block), where ``block`` is one block of a layer's
-block-first view (``kvstack.connector.layout``). Its size is checked on load, its meaning is pinned by the
-key namespace.
+block-first view (``kvstack.connector.layout``); a prompt's partial tail holds only the blocks it covers.
+Its size is checked on load, its meaning is pinned by the key namespace.
 
 A load is synchronous: copied in before the forward pass reads it. A save has two phases, run by the
 background thread of ``kvstack.connector.saves``: ``gather`` copies the blocks (the only phase that reads
@@ -73,6 +73,7 @@ class BlockMover:
         self._device = first.device
         self._on_host = first.device.type == "cpu"
         self.block_shape = tuple(first.shape[1:])
+        self.blocks_per_chunk = blocks_per_chunk
         self.chunk_shape = (len(layers), blocks_per_chunk, *self.block_shape)
         self.chunk_bytes = math.prod(self.chunk_shape) * first.element_size()
         self._rank = rank
@@ -89,7 +90,7 @@ class BlockMover:
             for i, chunk in enumerate(load.chunks):
                 if i >= len(got):
                     return i, load.block_ids(i)
-                if len(got[i]) != self.chunk_bytes:
+                if len(got[i]) != self._bytes(chunk.blocks or self.blocks_per_chunk):
                     # It can never load: evict it, so lookups stop offering it and the next engine to
                     # compute the chunk saves it again.
                     self.client.evict([chunk.keys[self._rank]])
@@ -113,7 +114,7 @@ class BlockMover:
     def gather(self, save: RequestSave) -> Payloads:
         """The chunks' blocks, copied once: into reserved arena regions when the save client has room,
         else into new buffers. The only phase that reads the KV cache."""
-        reserved = self.save_client.reserve([self.chunk_bytes] * len(save.chunks))
+        reserved = self.save_client.reserve([self._bytes(len(chunk.block_ids)) for chunk in save.chunks])
         if reserved is None:
             return [self._gather_new(chunk.block_ids) for chunk in save.chunks]
         try:
@@ -135,12 +136,19 @@ class BlockMover:
             model=self.model if rank == 0 else None,
         )
 
+    def _shape(self, blocks: int) -> tuple[int, ...]:
+        """A payload of ``blocks`` blocks (a full chunk's, or a partial tail's)."""
+        return (self.chunk_shape[0], blocks, *self.block_shape)
+
+    def _bytes(self, blocks: int) -> int:
+        return self.chunk_bytes // self.blocks_per_chunk * blocks
+
     def _copy_in(self, payload: memoryview, chunk: ChunkLoad) -> None:
         with warnings.catch_warnings():
             # The payload is a read-only view (shared memory or a ZMQ frame); it is only read here.
             warnings.simplefilter("ignore", UserWarning)
             raw = torch.frombuffer(payload, dtype=torch.uint8)
-        source = raw.view(self._dtype).view(self.chunk_shape)
+        source = raw.view(self._dtype).view(self._shape(chunk.blocks or self.blocks_per_chunk))
         part = source[:, chunk.first_block : chunk.first_block + len(chunk.block_ids)]
         # To a device: one synchronous copy, done reading the payload when it returns (the caller then
         # releases it). On the CPU: no copy, the blocks are filled from the payload directly.
@@ -151,11 +159,12 @@ class BlockMover:
 
     def _gather_into(self, region: memoryview, block_ids: Sequence[int]) -> None:
         # The tensor over the region dies here: the put can then release the view (no export left).
-        out = torch.frombuffer(region, dtype=torch.uint8).view(self._dtype).view(self.chunk_shape)
+        shape = self._shape(len(block_ids))
+        out = torch.frombuffer(region, dtype=torch.uint8).view(self._dtype).view(shape)
         self._index_select(out, block_ids)
 
     def _gather_new(self, block_ids: Sequence[int]) -> memoryview:
-        out = torch.empty(self.chunk_shape, dtype=self._dtype)
+        out = torch.empty(self._shape(len(block_ids)), dtype=self._dtype)
         self._index_select(out, block_ids)
         return memoryview(out.view(-1).view(torch.uint8).numpy())
 

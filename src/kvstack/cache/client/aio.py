@@ -24,7 +24,7 @@ from kvstack.cache.client.dealer import dealer
 from kvstack.cache.client.results import Chunks, Reservation
 from kvstack.cache.client.unix import AsyncUnixLink
 from kvstack.cache.payload import Payload
-from kvstack.cache.protocol import ProtocolError
+from kvstack.cache.protocol import ProtocolError, StoredTail
 
 __all__ = ["AsyncCacheClient"]
 
@@ -83,6 +83,16 @@ class AsyncCacheClient:
 
     async def locate(self, keys: Sequence[bytes]) -> list[str]:
         return (await self._run(lambda: self._core.lookup_plan(keys), NO_PREFIX, "lookup"))[1]
+
+    async def find(
+        self, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> tuple[list[str], list[StoredTail]]:
+        """`locate`, and the partial tails held right after that prefix (``parent``: the key before
+        ``keys[0]``, None at a prompt's start)."""
+        _, tiers, tails = await self._run(
+            lambda: self._core.lookup_plan(keys, True, parent), NO_PREFIX, "lookup"
+        )
+        return tiers, tails
 
     async def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return await self._run(lambda: self._core.exists_plan(keys), [False] * len(keys), "exists")

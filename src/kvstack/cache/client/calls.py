@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from kvstack.cache.payload import Payload
-from kvstack.cache.protocol import Reply
+from kvstack.cache.protocol import Reply, StoredTail
 from kvstack.cache.shm import ClientArena
 
 __all__ = ["NO_PREFIX", "Call", "Failure", "Outcome", "Plan"]
@@ -36,5 +36,5 @@ class Call:
 
 Outcome = tuple[Any, list[memoryview]] | Failure
 Plan = Generator[Call, Outcome, T]
-NO_PREFIX: tuple[int, list[str]] = (0, [])
+NO_PREFIX: tuple[int, list[str], list[StoredTail]] = (0, [], [])
 """A lookup's miss."""

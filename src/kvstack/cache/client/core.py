@@ -30,6 +30,7 @@ from kvstack.backoff import Backoff
 from kvstack.cache.client.arena import Reserved, free_regions, lend_region, place_payloads, reserve_regions
 from kvstack.cache.client.calls import Call, Failure, Outcome, Plan
 from kvstack.cache.client.results import Chunks, ClientStats, Reservation
+from kvstack.cache.keys import KEY_BYTES
 from kvstack.cache.payload import Payload, byte_view
 from kvstack.cache.protocol import (
     IN_FRAME,
@@ -53,6 +54,7 @@ from kvstack.cache.protocol import (
     Reply,
     Stats,
     StatsReply,
+    StoredTail,
     decode_reply,
     encode,
     join_keys,
@@ -271,11 +273,19 @@ class ClientCore:
 
     # -- operations (generators: yield a call, receive its outcome, return the result)
 
-    def lookup_plan(self, keys: Sequence[bytes]) -> Plan[tuple[int, list[str]]]:
+    def lookup_plan(
+        self, keys: Sequence[bytes], tails: bool = False, parent: bytes | None = None
+    ) -> Plan[tuple[int, list[str], list[StoredTail]]]:
+        """(count, tiers, tails): with ``tails``, the partial tails held right after the prefix found
+        (``parent``: the key before ``keys[0]``, None at a prompt's start)."""
         count, tiers = 0, []
+        after: list[StoredTail] = []
         for start in range(0, len(keys), self.max_keys):
             batch = keys[start : start + self.max_keys]
-            outcome = yield Call(Lookup(id=next(self._ids), keys=join_keys(batch)), (), LookupReply)
+            before = keys[start - 1] if start else parent
+            before = None if before is None or not tails else bytes(before)  # msgspec encodes bytes only
+            request = Lookup(id=next(self._ids), keys=join_keys(batch), tails=tails, parent=before)
+            outcome = yield Call(request, (), LookupReply)
             if isinstance(outcome, Failure):
                 break
             reply: LookupReply = outcome[0]
@@ -284,9 +294,10 @@ class ClientCore:
                 break
             count += reply.count
             tiers += reply.tiers
+            after = [t for t in reply.tails if len(t.key) == KEY_BYTES and t.length > 0] if tails else []
             if reply.count < len(batch):
                 break
-        return count, tiers
+        return count, tiers, after
 
     def exists_plan(self, keys: Sequence[bytes]) -> Plan[list[bool]]:
         present: list[bool] = []

@@ -21,7 +21,7 @@ from kvstack.cache.client.dealer import dealer
 from kvstack.cache.client.results import Chunks, Reservation
 from kvstack.cache.client.unix import UnixLink
 from kvstack.cache.payload import Payload
-from kvstack.cache.protocol import ProtocolError, recv_frames, send_frames
+from kvstack.cache.protocol import ProtocolError, StoredTail, recv_frames, send_frames
 
 __all__ = ["CacheClient"]
 
@@ -78,6 +78,14 @@ class CacheClient:
 
     def locate(self, keys: Sequence[bytes]) -> list[str]:
         return self._run(lambda: self._core.lookup_plan(keys), NO_PREFIX, "lookup")[1]
+
+    def find(
+        self, keys: Sequence[bytes], *, parent: bytes | None = None
+    ) -> tuple[list[str], list[StoredTail]]:
+        """`locate`, and the partial tails held right after that prefix (``parent``: the key before
+        ``keys[0]``, None at a prompt's start)."""
+        _, tiers, tails = self._run(lambda: self._core.lookup_plan(keys, True, parent), NO_PREFIX, "lookup")
+        return tiers, tails
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         return self._run(lambda: self._core.exists_plan(keys), [False] * len(keys), "exists")
