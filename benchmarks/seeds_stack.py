@@ -13,7 +13,8 @@ tokens over 8 rounds, ~21% over 4), so fewer rounds lower every stack's ceiling 
   cache-server``, ``KVStackConnector``, each on its defaults (chunks of 128 tokens).
 - seeds: production-stack's router (``--routing-logic session --session-key x-user-id``, static discovery),
   LMCache 0.5.6's ``lmcache server`` (chunks of 256, its default) and vLLM's ``LMCacheMPConnector``.
-- ``--levers``: one more row per lever, one at a time: kvstack with 256-token chunks; kvstack with
+- ``--levers``: one more row per lever, one at a time: kvstack without partial tails (full chunks only);
+  kvstack with 256-token chunks; kvstack with
   session-affinity-scorer weight 1 on the user header added to kv-aware (to keep a conversation in place);
   the seeds with LMCache's chunk at kvstack's 128. ``--ceiling``: kvstack with KV to spare
   (``--ceiling-blocks``), the workload's ceiling of not computed.
@@ -86,8 +87,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--levers",
         action="store_true",
-        help=f"a row per lever (kvstack chunk {CHUNK}, session affinity; LMCache chunk {DEFAULT_CHUNK_SIZE})",
+        help=f"a row per lever (kvstack: no tail, chunk {CHUNK}, session, tier weight; LMCache: chunk 128)",
     )
+    parser.add_argument("--rows", help="comma-separated row labels to keep of those planned (default: all)")
     parser.add_argument("--ceiling", action="store_true", help="kvstack with KV to spare (--ceiling-blocks)")
     parser.add_argument("--blocks", type=int, default=40, help="KV blocks of 128 tokens per engine (40)")
     parser.add_argument("--ceiling-blocks", type=int, default=400, help="blocks per engine with --ceiling")
@@ -130,6 +132,12 @@ def plan(args: argparse.Namespace) -> list[Setup]:
     }
     setups = [base[stack] for stack in STACKS if stack in args.stacks]
     if "kvstack" in args.stacks and args.levers:
+        lever = "partial_tail: false (full chunks only)"
+        setups.append(
+            Setup(
+                "kvstack-no-tail", "kvstack", args.blocks, connector=(("partial_tail", False),), lever=lever
+            )
+        )
         lever = f"chunk_size: {CHUNK} (LMCache's chunk)"
         setups.append(Setup(f"kvstack-chunk{CHUNK}", "kvstack", args.blocks, chunk=CHUNK, lever=lever))
         lever = f"kv-aware + session-affinity-scorer weight 1 on {args.session_header}"
@@ -144,6 +152,11 @@ def plan(args: argparse.Namespace) -> list[Setup]:
     if "kvstack" in args.stacks and args.ceiling:
         lever = f"KV to spare: {args.ceiling_blocks} blocks per engine"
         setups.append(Setup(CEILING_LABEL, "kvstack", args.ceiling_blocks, lever=lever))
+    if args.rows:
+        keep = set(args.rows.split(","))
+        if unknown := keep - {s.label for s in setups}:
+            raise SystemExit(f"--rows: {sorted(unknown)} not planned; planned: {[s.label for s in setups]}")
+        setups = [s for s in setups if s.label in keep]
     return setups
 
 

@@ -62,14 +62,16 @@ def test_plan_puts_both_stacks_first_then_each_lever() -> None:
     assert [(s.label, s.stack, s.blocks, s.chunk) for s in setups] == [
         ("kvstack", "kvstack", 30, 128),
         ("seeds", "seeds", 30, 256),
+        ("kvstack-no-tail", "kvstack", 30, 128),
         ("kvstack-chunk256", "kvstack", 30, 256),
         ("kvstack-session", "kvstack", 30, 128),
         ("kvstack-tier-weight", "kvstack", 30, 128),
         ("seeds-chunk128", "seeds", 30, 128),
         ("kvstack-spare-kv", "kvstack", 400, 128),
     ]
-    assert [s.session_weight for s in setups] == [0, 0, 0, 1, 0, 0, 0]
-    assert [s.tier_weight for s in setups] == [None, None, None, None, 0.95, None, None]
+    assert [s.session_weight for s in setups] == [0, 0, 0, 0, 1, 0, 0, 0]
+    assert [s.tier_weight for s in setups] == [None, None, None, None, None, 0.95, None, None]
+    assert [dict(s.connector) for s in setups][2] == {"partial_tail": False}
     assert [
         s.label
         for s in seeds.plan(
@@ -166,3 +168,18 @@ def test_the_tier_weight_lever_sets_only_the_prefix_scorers_cpu_weight() -> None
     base = {p.type: dict(p.parameters) for p in kv_aware.plugins}
     assert base.pop("precise-prefix-scorer") == {}
     assert params == base and config.profiles == kv_aware.profiles
+
+
+def test_rows_keeps_only_the_named_rows_in_plan_order() -> None:
+    seeds = _module("seeds_stack")
+    argv = [
+        "--production-stack-src",
+        "/ps",
+        "--levers",
+        "--ceiling",
+        "--rows",
+        "kvstack-spare-kv,seeds,kvstack",
+    ]
+    assert [s.label for s in seeds.plan(seeds.parse_args(argv))] == ["kvstack", "seeds", "kvstack-spare-kv"]
+    with pytest.raises(SystemExit, match="not planned"):
+        seeds.plan(seeds.parse_args([*argv[:-1], "kvstack,nope"]))
