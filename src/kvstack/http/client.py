@@ -92,6 +92,7 @@ class UpstreamResponse:
         "_pieces",
         "_waiter",
         "content_length",
+        "content_type",
         "headers",
         "keep_alive",
         "status",
@@ -109,6 +110,7 @@ class UpstreamResponse:
         self.status = 0
         self.headers: list[tuple[str, str]] = []
         self.content_length: int | None = None
+        self.content_type = ""  # the first Content-Type header's value ("" without one)
         self.keep_alive = False
         self.url = url
 
@@ -287,7 +289,14 @@ class _Connection(asyncio.Protocol):
             return
         response.status = status
         response.keep_alive = self.parser.should_keep_alive()
-        length = response.header("content-length")
+        length = content_type = None
+        for key, value in response.headers:  # the first of each, in one pass
+            lk = key.lower()
+            if lk == "content-length":
+                if length is None:
+                    length = value
+            elif lk == "content-type" and content_type is None:
+                content_type = response.content_type = value
         if length is not None and length.isdigit():
             response.content_length = int(length)
         if self.headers_ready is not None and not self.headers_ready.done():

@@ -59,18 +59,21 @@ _DROP_REQUEST_HEADERS = frozenset(
         "expect",  # the router already read the whole body; an engine's "100 Continue" would be in the way
     }
 )
+_NOT_FORWARDED = _DROP_REQUEST_HEADERS | {"x-request-id"}  # the router sends its own request id
 # Bodies are relayed as the engine sent them (never decompressed), so Content-Encoding passes through.
 _DROP_RESPONSE_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+# Response header naming the engine that answered (for clients, load tests and debugging).
+ENGINE_HEADER = "x-kvstack-engine"
+# What an engine's answer loses on its way to the client: the headers above and the ones the router sets.
+_NOT_RELAYED = _DROP_RESPONSE_HEADERS | {"x-request-id", ENGINE_HEADER}
 # (header, Timeouts field) of each per-request timeout override.
 _TIMEOUT_HEADERS = tuple(
     (TIMEOUT_HEADER_PREFIX + name, name.replace("-", "_"))
     for name in ("connect", "first-byte", "idle", "total")
 )
-# Response header naming the engine that answered (for clients, load tests and debugging).
-ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
 WHOLE_BODY_MAX = 8 * 1024 * 1024
 # An SSE event longer than this is relayed as it arrives instead of whole.
@@ -314,7 +317,7 @@ class Proxy:
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
             resp_headers = _response_headers(upstream, request_id, url)
-            is_sse = (upstream.header("content-type") or "").startswith("text/event-stream")
+            is_sse = upstream.content_type.startswith("text/event-stream")
             length = upstream.content_length
 
             if upstream.status in NO_BODY_STATUSES or (
@@ -594,16 +597,15 @@ async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 2
 
 def forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
     """The client's headers as an engine gets them: hop-by-hop and router-only ones out, our request id in."""
-    out: list[tuple[str, str]] = []
-    drop = _DROP_REQUEST_HEADERS
+    drop = _NOT_FORWARDED
     named = incoming.get("connection")
     if named:  # headers the Connection header names are hop-by-hop too (RFC 9110 §7.6.1), e.g. HTTP2-Settings
         drop = drop | {name.strip().lower() for name in named.split(",")}
-    for key, value in incoming.items():
-        lk = key.lower()
-        if lk in drop or lk.startswith(TIMEOUT_HEADER_PREFIX) or lk == "x-request-id":
-            continue
-        out.append((key, value))
+    out = [
+        (key, value)
+        for key, value in incoming.items()
+        if (lk := key.lower()) not in drop and not lk.startswith(TIMEOUT_HEADER_PREFIX)
+    ]
     out.append(("x-request-id", request_id))
     return out
 
@@ -626,11 +628,6 @@ def _refusal(resp: UpstreamResponse, body: bytes, request_id: str) -> tuple[list
 
 
 def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> list[tuple[str, str]]:
-    out = [
-        (key, value)
-        for key, value in resp.headers
-        if (lk := key.lower()) not in _DROP_RESPONSE_HEADERS and lk != "x-request-id" and lk != ENGINE_HEADER
-    ]
-    out.append(("x-request-id", request_id))
-    out.append((ENGINE_HEADER, engine))
+    out = [(key, value) for key, value in resp.headers if key.lower() not in _NOT_RELAYED]
+    out += (("x-request-id", request_id), (ENGINE_HEADER, engine))
     return out
