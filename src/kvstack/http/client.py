@@ -707,8 +707,6 @@ async def _read_capped(resp: UpstreamResponse, max_bytes: int) -> bytes:
 def _request_head(
     method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
 ) -> bytes:
-    lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"Host: {origin.host_header}"]
-    lines.extend([f"{name}: {value}" for name, value in headers])
-    lines.append(f"Content-Length: {length}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+    fields = "".join([f"{name}: {value}\r\n" for name, value in headers])
+    head = f"{method} {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n{fields}"
+    return f"{head}Content-Length: {length}\r\n\r\n".encode("utf-8", "surrogateescape")

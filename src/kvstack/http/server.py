@@ -108,6 +108,8 @@ class _Refuse(Exception):
 
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+# The status line of every status with a known reason, encoded once.
+_STATUS_LINES = {code: f"HTTP/1.1 {code} {reason}\r\n".encode("ascii") for code, reason in _REASONS.items()}
 
 
 class _Clock:
@@ -415,11 +417,11 @@ class Connection(asyncio.Protocol):
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
         server = self._server
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
-        lines.extend([f"{name}: {value}" for name, value in headers])
-        lines.append("")
-        head = "\r\n".join(lines).encode("utf-8", "surrogateescape")
-        return b"".join((head, server.default_lines, server.clock.date_line(), framing))
+        status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode("ascii")
+        fields = "".join([f"{name}: {value}\r\n" for name, value in headers]).encode(
+            "utf-8", "surrogateescape"
+        )
+        return b"".join((status_line, fields, server.default_lines, server.clock.date_line(), framing))
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
         """A whole response with its Content-Length (no waiting: the transport buffers it)."""
