@@ -151,7 +151,7 @@ class UpstreamResponse:
                 waiter.set_result(None)
 
     async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        waiter = self._waiter = self._conn.loop.create_future()
         try:
             await waiter
         finally:
@@ -184,7 +184,7 @@ class UpstreamResponse:
         """
         timer = None
         if within is not None and not self._done:
-            timer = asyncio.get_running_loop().call_later(within, self._time_out)
+            timer = self._conn.loop.call_later(within, self._time_out)
         try:
             while not self._done:
                 if self._error is not None:
@@ -217,8 +217,11 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; parses one answer at a time."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin, key: _PoolKey) -> None:
+    def __init__(
+        self, pool: UpstreamPool, origin: Origin, key: _PoolKey, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.pool = pool
+        self.loop = loop
         self.origin = origin
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -418,6 +421,15 @@ class UpstreamPool:
             asyncio.Semaphore(max_connections) if max_connections > 0 else None
         )
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the pool's connections live on, looked up once: every asyncio.get_running_loop()
+        is a getpid system call, and this is on every request's path."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def origin(self, base_url: str) -> Origin:
         return self._origin(base_url)[0]
@@ -462,7 +474,7 @@ class UpstreamPool:
         """
         if first_byte_timeout is None:
             return self._request(base_url, path, headers, body, connect_timeout, None, method)
-        deadline = asyncio.get_running_loop().time() + first_byte_timeout
+        deadline = self._running_loop().time() + first_byte_timeout
         sending = self._request(base_url, path, headers, body, connect_timeout, deadline, method)
         if first_byte_timeout < connect_timeout:
             return _connecting_within(sending, deadline)
@@ -489,7 +501,7 @@ class UpstreamPool:
             if conn is None:
                 conn = await self._connect(origin, key, connect_timeout)
             response = UpstreamResponse(conn, base_url)
-            loop = asyncio.get_running_loop()
+            loop = conn.loop
             conn.response = response
             conn.headers_ready = loop.create_future()
             conn.got_bytes = False
@@ -627,8 +639,8 @@ class UpstreamPool:
                     await self._slots.acquire()
             except TimeoutError:
                 raise ConnectTimedOut(f"no free connection slot in {connect_timeout:g} s") from None
-        loop = asyncio.get_running_loop()
-        conn = _Connection(self, origin, key)
+        loop = self._running_loop()
+        conn = _Connection(self, origin, key, loop)
         ssl_ctx: ssl.SSLContext | None = None
         if origin.scheme == "https":
             ssl_ctx = self._ssl or ssl.create_default_context()
