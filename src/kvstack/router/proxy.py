@@ -601,11 +601,11 @@ def forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[
     named = incoming.get("connection")
     if named:  # headers the Connection header names are hop-by-hop too (RFC 9110 §7.6.1), e.g. HTTP2-Settings
         drop = drop | {name.strip().lower() for name in named.split(",")}
-    out = [
-        (key, value)
-        for key, value in incoming.items()
-        if (lk := key.lower()) not in drop and not lk.startswith(TIMEOUT_HEADER_PREFIX)
-    ]
+    out = []
+    for key, value in incoming.items():  # (a loop: a comprehension would cost a function object per call)
+        lk = key.lower()
+        if lk not in drop and not lk.startswith(TIMEOUT_HEADER_PREFIX):
+            out.append((key, value))
     out.append(("x-request-id", request_id))
     return out
 
@@ -628,6 +628,9 @@ def _refusal(resp: UpstreamResponse, body: bytes, request_id: str) -> tuple[list
 
 
 def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> list[tuple[str, str]]:
-    out = [(key, value) for key, value in resp.headers if key.lower() not in _NOT_RELAYED]
+    out = []
+    for key, value in resp.headers:
+        if key.lower() not in _NOT_RELAYED:
+            out.append((key, value))
     out += (("x-request-id", request_id), (ENGINE_HEADER, engine))
     return out
