@@ -43,7 +43,8 @@ def request_id(headers: Mapping[str, str]) -> str:
     if given and len(given) <= REQUEST_ID_MAX and given.isascii() and given.isprintable():
         return given
     # Unique, not secret: the seeded generator (reseeded after fork) spares a getrandom call per request.
-    return f"kvs-{random.getrandbits(96):024x}"
+    # (to_bytes().hex() gives the same 24 digits as a "024x" format, in half the time.)
+    return "kvs-" + random.getrandbits(96).to_bytes(12, "big").hex()
 
 
 # RouteRequest and Decision are made for every request: not frozen, whose __init__ costs a Python-level
