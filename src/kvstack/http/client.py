@@ -719,6 +719,7 @@ async def _read_capped(resp: UpstreamResponse, max_bytes: int) -> bytes:
 def _request_head(
     method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
 ) -> bytes:
-    fields = "".join([f"{name}: {value}\r\n" for name, value in headers])
-    head = f"{method} {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n{fields}"
+    head = f"{method} {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+    for name, value in headers:  # (a loop: a comprehension would cost a function object per call)
+        head += f"{name}: {value}\r\n"
     return f"{head}Content-Length: {length}\r\n\r\n".encode("utf-8", "surrogateescape")

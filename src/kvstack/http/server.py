@@ -438,10 +438,11 @@ class Connection(asyncio.Protocol):
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
         server = self._server
         status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode("ascii")
-        fields = "".join([f"{name}: {value}\r\n" for name, value in headers]).encode(
-            "utf-8", "surrogateescape"
-        )
-        return b"".join((status_line, fields, server.default_lines, server.clock.date_line(), framing))
+        fields = ""
+        for name, value in headers:  # (a loop: a comprehension would cost a function object per call)
+            fields += f"{name}: {value}\r\n"
+        encoded = fields.encode("utf-8", "surrogateescape")
+        return b"".join((status_line, encoded, server.default_lines, server.clock.date_line(), framing))
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
         """A whole response with its Content-Length (no waiting: the transport buffers it)."""
