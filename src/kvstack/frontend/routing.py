@@ -146,8 +146,10 @@ class SchedulerPicker:
         )
 
     def scheduler_for(self, states: list[EngineState]) -> Scheduler:
-        if self.kv_scheduler is not None and any(s.knowledge == "kv-events" for s in states):
-            return self.kv_scheduler
+        if self.kv_scheduler is not None:
+            for s in states:  # (a loop, not any() over a generator: this runs for every request)
+                if s.knowledge == "kv-events":
+                    return self.kv_scheduler
         return self.scheduler
 
     async def pick(self, route: RouteRequest, states: list[EngineState]) -> Decision:
@@ -193,11 +195,19 @@ class SchedulerPicker:
             self.locator.record(result.target.url, lookup, now)
             if prefill:  # the prefill engine computes the prompt too (history for engines without events)
                 self.locator.record(prefill[0], lookup, now)
-        ordered = [result.target.url, *(e.url for e in result.fallbacks)]
-        # Retries may go beyond what the profile kept (for example engines a saturation filter set aside):
-        # a busy engine is a better answer than an error. Prefill-only engines never serve whole requests.
+        # The profile's choices, then, since retries may go beyond what it kept (for example engines a
+        # saturation filter set aside), every other engine that may serve: a busy engine is a better answer
+        # than an error. Prefill-only engines never serve whole requests. (Loops, not comprehensions: each
+        # of those is a function object made per request.)
+        targets = result.primary.targets
+        ordered = [targets[0].url]
+        for engine in targets[1:]:
+            ordered.append(engine.url)
         chosen = set(ordered)
-        ordered += [s.url for s in states if s.url not in chosen and _may_serve(s, model)]
+        for s in states:
+            url = s.url
+            if url not in chosen and _may_serve(s, model):
+                ordered.append(url)
         return Decision(result.primary_profile, ordered, prefill)
 
 
