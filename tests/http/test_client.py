@@ -140,6 +140,24 @@ async def test_a_sized_answer_is_read_whole_and_the_connection_is_reused(raw_ser
         await pool.close()
 
 
+async def test_a_complete_answer_is_taken_without_waiting(raw_server: ServerFactory) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(sized(b'{"ok":true}'))))
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(server.url, "/", [], b"", connect_timeout=2)
+        for _ in range(100):  # (one small write: it arrives with the headers, or just after)
+            if resp.complete:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.complete
+        assert resp.received() == b'{"ok":true}'
+        assert resp.received() == b""  # taken
+        resp.release()
+        assert pool.idle_connections == 1
+    finally:
+        await pool.close()
+
+
 async def test_requests_on_a_pooled_connection_look_the_event_loop_up_once(
     raw_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

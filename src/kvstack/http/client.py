@@ -196,6 +196,10 @@ class UpstreamResponse:
         finally:
             if timer is not None:
                 timer.cancel()
+        return self.received()
+
+    def received(self) -> bytes:
+        """The body bytes buffered so far, taken (once ``complete``, the whole body: no wait needed)."""
         data = b"".join(self._pieces)
         self._pieces.clear()
         self._buffered = 0

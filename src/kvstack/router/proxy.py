@@ -267,14 +267,14 @@ class Proxy:
     ) -> None:
         state, breaker = entry.state, entry.breaker
         url = state.url
+        started = self._clock()
         state.in_flight += 1
         self.registry.publish_in_flight(entry)
-        self.registry.note_sent(state, self._clock())
+        self.registry.note_sent(state, started)
         in_flight_gauge = self.metrics.engine_in_flight(url)
         in_flight_gauge.set(state.in_flight)
         upstream: UpstreamResponse | None = None
         settled = False
-        started = self._clock()
 
         def settle(ok: bool | None) -> None:
             nonlocal settled
@@ -285,7 +285,7 @@ class Proxy:
             self.metrics.set_circuit(url, breaker.state)
 
         try:
-            bound, first_byte = timeouts.limit("first_byte", deadline - self._clock())
+            bound, first_byte = timeouts.limit("first_byte", deadline - started)
             try:
                 upstream = await self.upstream.request(
                     url,
@@ -324,15 +324,18 @@ class Proxy:
                 not is_sse and length is not None and length <= WHOLE_BODY_MAX
             ):
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
-                bound, within = timeouts.limit("idle", deadline - self._clock())
-                try:
-                    data = await upstream.read(within)
-                except UpstreamError as exc:
-                    timed_out = isinstance(exc, TimeoutError)
-                    settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
-                    # Nothing reached the client yet: another engine may answer.
-                    reason = "timeout_before_content" if timed_out else "broken_before_content"
-                    raise _Retryable(reason) from None
+                if upstream.complete:  # it came with the headers (small answers do): nothing to wait for
+                    data = upstream.received()
+                else:
+                    bound, within = timeouts.limit("idle", deadline - self._clock())
+                    try:
+                        data = await upstream.read(within)
+                    except UpstreamError as exc:
+                        timed_out = isinstance(exc, TimeoutError)
+                        settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
+                        # Nothing reached the client yet: another engine may answer.
+                        reason = "timeout_before_content" if timed_out else "broken_before_content"
+                        raise _Retryable(reason) from None
                 outcome.status = upstream.status
                 outcome.first_byte_at = self._clock()
                 settle(upstream.status < 500)
