@@ -1,11 +1,14 @@
-"""The request id every proxied request carries (kvstack.frontend.routing.request_id)."""
+"""What routing reads from a request (kvstack.frontend.routing): its id, its body's media type."""
 
 from __future__ import annotations
 
 import random
 import re
 
-from kvstack.frontend.routing import REQUEST_ID_MAX, request_id
+import pytest
+
+from kvstack.frontend.routing import REQUEST_ID_MAX, parse_route, request_id
+from kvstack.openai.errors import OpenAIError
 
 
 def test_a_short_printable_client_id_is_kept() -> None:
@@ -27,3 +30,30 @@ def test_a_new_id_is_the_generators_next_96_bits_zero_padded() -> None:
         assert request_id({}) == f"kvs-{bits:024x}"
     finally:
         random.setstate(state)
+
+
+class _Registry:
+    """The registry as parse_route reads it: one served model, every engine's models known."""
+
+    def models(self) -> frozenset[str]:
+        return frozenset({"m"})
+
+    def all_models_known(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "", "application/json", "Application/JSON; charset=utf-8", " application/json ;x=1"],
+)
+def test_json_bodies_are_parsed_whatever_the_content_type_spelling(content_type: str | None) -> None:
+    headers = {} if content_type is None else {"content-type": content_type}
+    route = parse_route("/v1/completions", headers, b'{"model":"m"}', "rid", _Registry())  # type: ignore[arg-type]
+    assert route.model == "m" and route.request_id == "rid"
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded; charset=utf-8"])
+def test_other_media_types_are_refused(content_type: str) -> None:
+    with pytest.raises(OpenAIError) as refused:
+        parse_route("/v1/completions", {"content-type": content_type}, b"{}", "rid", _Registry())  # type: ignore[arg-type]
+    assert refused.value.status == 400 and "Unsupported Media Type" in str(refused.value)  # as vLLM answers

@@ -82,9 +82,11 @@ def parse_route(
     """The routing view of an OpenAI request; ``headers`` case-insensitive or lower-cased. Raises
     OpenAIError: 400 (not JSON, bad body, model missing while several are served), 404 (unknown
     model)."""
-    content_type = (headers.get("content-type") or "").split(";")[0].strip().lower()
-    if content_type and content_type != "application/json":
-        raise errors.unsupported_media_type()
+    content_type = headers.get("content-type")
+    if content_type and content_type != "application/json":  # (the usual value needs no parsing)
+        media_type = content_type.split(";")[0].strip().lower()
+        if media_type and media_type != "application/json":
+            raise errors.unsupported_media_type()
     body = decode_json(raw, "request body is not valid JSON")
     if not isinstance(body, dict):
         raise errors.bad_request("request body must be a JSON object", "body")
