@@ -1,8 +1,9 @@
 """kvstack's HTTP/1.1 client to engines: pooled keep-alive connections, parsed by llhttp (``httptools``).
 
 - ``UpstreamPool.request`` sends one request (one pre-built header block and the body) and returns an
-  ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()``, and
-  reading pauses while more than ``READ_HIGH_WATER`` bytes wait for the caller. The proxy relays with it.
+  ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()`` (or taken
+  with ``received()`` once ``complete``), and reading pauses while more than ``READ_HIGH_WATER`` bytes wait
+  for the caller. The proxy relays with it.
 - ``UpstreamPool.get`` / ``post_json``: a side call (/metrics, /v1/models, /tokenize, /kv_event_sources)
   returning the whole ``Reply`` (status, headers, body) within a total time ``within``, the body at most
   ``max_bytes``. Any status is a reply; the caller judges it.

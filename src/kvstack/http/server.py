@@ -1,9 +1,9 @@
 """The router's HTTP/1.1 server: llhttp (``httptools``) on an asyncio protocol, nothing else in the way.
 
 A request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
-handed to one handler coroutine per request; the handler either returns a `Response` (sent with its
-length in one write) or streams through the connection (`start`, `write`, `end`: chunked encoding). Why
-not aiohttp's server: docs/design/router-request-path.md.
+handed to one handler coroutine per request, run by the connection's one task; the handler either returns
+a `Response` (sent with its length in one write) or streams through the connection (`start`, `write`,
+`end`: chunked encoding). Why not aiohttp's server: docs/design/router-request-path.md.
 
 Requests on one connection are answered in order, one handler at a time (keep-alive and pipelining, at
 most ``MAX_PIPELINED`` waiting). A request over a limit (``MAX_URL_BYTES``, ``MAX_HEADER_BYTES``,
