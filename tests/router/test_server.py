@@ -13,7 +13,7 @@ def test_settling_the_collector_freezes_the_start_up_heap_and_raises_the_young_t
         settle_garbage_collector()
         assert gc.get_freeze_count() > 0
         assert gc.get_threshold() == (YOUNG_COLLECTION_THRESHOLD, before[1], before[2])
-        assert YOUNG_COLLECTION_THRESHOLD > 64 * 100  # above what 64 connections' requests hold at once
+        assert 700 < YOUNG_COLLECTION_THRESHOLD <= 10_000  # above Python's default, bounded for cycles
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
