@@ -140,6 +140,50 @@ async def test_a_sized_answer_is_read_whole_and_the_connection_is_reused(raw_ser
         await pool.close()
 
 
+async def test_a_complete_answer_is_taken_without_waiting(raw_server: ServerFactory) -> None:
+    server = await serve(raw_server(lambda conn, req: conn.send(sized(b'{"ok":true}'))))
+    pool = UpstreamPool()
+    try:
+        resp = await pool.request(server.url, "/", [], b"", connect_timeout=2)
+        for _ in range(100):  # (one small write: it arrives with the headers, or just after)
+            if resp.complete:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.complete
+        assert resp.received() == b'{"ok":true}'
+        assert resp.received() == b""  # taken
+        resp.release()
+        assert pool.idle_connections == 1
+    finally:
+        await pool.close()
+
+
+async def test_requests_on_a_pooled_connection_look_the_event_loop_up_once(
+    raw_server: ServerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """(Each asyncio.get_running_loop() is a getpid system call: the pool keeps the loop it runs on.)"""
+    server = await serve(raw_server(lambda conn, req: conn.send(sized(b'{"ok":true}'))))
+    pool = UpstreamPool()
+    lookups = 0
+    real = asyncio.get_running_loop
+
+    def counted() -> asyncio.AbstractEventLoop:
+        nonlocal lookups
+        lookups += 1
+        return real()
+
+    monkeypatch.setattr(asyncio, "get_running_loop", counted)
+    try:
+        for _ in range(10):
+            resp = await pool.request(server.url, "/", [], b"", connect_timeout=2, first_byte_timeout=5)
+            assert resp.content_type == "application/json"
+            assert await resp.read(within=5) == b'{"ok":true}'
+            resp.release()
+        assert lookups <= 1
+    finally:
+        await pool.close()
+
+
 @pytest.mark.parametrize("first_byte_timeout", [None, 0.5, 5.0])  # the three ways through request()
 async def test_the_method_is_sent_as_given(
     raw_server: ServerFactory, first_byte_timeout: float | None

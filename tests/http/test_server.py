@@ -107,6 +107,28 @@ async def test_keep_alive_and_pipelining_answer_in_order(echo: Served) -> None:
     writer.close()
 
 
+async def test_one_task_serves_a_keep_alive_connection_and_ends_when_the_client_leaves() -> None:
+    tasks: list[asyncio.Task[Any] | None] = []
+
+    async def handler(request: Request, conn: Connection) -> Response:
+        tasks.append(asyncio.current_task())
+        return Response(200, b"ok")
+
+    served = await _serve(handler)
+    try:
+        reader, writer = await served.open()
+        for _ in range(3):  # one after another: the connection is idle between them
+            writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert (await _read_response(reader))[0] == 200
+        assert len(tasks) == 3 and tasks[0] is not None and tasks.count(tasks[0]) == 3
+        assert not tasks[0].done()  # waiting for the next request
+        writer.close()
+        await eventually(lambda: tasks[0] is not None and tasks[0].cancelled())
+        await eventually(lambda: served.server.connections == 0)
+    finally:
+        await served.server.close()
+
+
 async def test_chunked_request_body_and_expect_continue(echo: Served) -> None:
     reader, writer = await echo.open()
     writer.write(

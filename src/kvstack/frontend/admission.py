@@ -39,9 +39,15 @@ class AdmissionController:
     def queued(self) -> int:
         return len(self._waiters)
 
-    async def acquire(self) -> None:
+    def try_acquire(self) -> bool:
+        """Take a slot if one is free now and nobody waits for one (``acquire`` without the wait)."""
         if not self.max_in_flight or (self.in_flight < self.max_in_flight and not self._waiters):
             self.in_flight += 1
+            return True
+        return False
+
+    async def acquire(self) -> None:
+        if self.try_acquire():
             return
         if len(self._waiters) >= self.max_queue:
             raise AdmissionRejected("queue_full", self.queue_timeout / 2 or 1.0)

@@ -1,8 +1,9 @@
 """kvstack's HTTP/1.1 client to engines: pooled keep-alive connections, parsed by llhttp (``httptools``).
 
 - ``UpstreamPool.request`` sends one request (one pre-built header block and the body) and returns an
-  ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()``, and
-  reading pauses while more than ``READ_HIGH_WATER`` bytes wait for the caller. The proxy relays with it.
+  ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()`` (or taken
+  with ``received()`` once ``complete``), and reading pauses while more than ``READ_HIGH_WATER`` bytes wait
+  for the caller. The proxy relays with it.
 - ``UpstreamPool.get`` / ``post_json``: a side call (/metrics, /v1/models, /tokenize, /kv_event_sources)
   returning the whole ``Reply`` (status, headers, body) within a total time ``within``, the body at most
   ``max_bytes``. Any status is a reply; the caller judges it.
@@ -92,6 +93,7 @@ class UpstreamResponse:
         "_pieces",
         "_waiter",
         "content_length",
+        "content_type",
         "headers",
         "keep_alive",
         "status",
@@ -109,6 +111,7 @@ class UpstreamResponse:
         self.status = 0
         self.headers: list[tuple[str, str]] = []
         self.content_length: int | None = None
+        self.content_type = ""  # the first Content-Type header's value ("" without one)
         self.keep_alive = False
         self.url = url
 
@@ -149,7 +152,7 @@ class UpstreamResponse:
                 waiter.set_result(None)
 
     async def _wait(self) -> None:
-        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        waiter = self._waiter = self._conn.loop.create_future()
         try:
             await waiter
         finally:
@@ -182,7 +185,7 @@ class UpstreamResponse:
         """
         timer = None
         if within is not None and not self._done:
-            timer = asyncio.get_running_loop().call_later(within, self._time_out)
+            timer = self._conn.loop.call_later(within, self._time_out)
         try:
             while not self._done:
                 if self._error is not None:
@@ -194,6 +197,10 @@ class UpstreamResponse:
         finally:
             if timer is not None:
                 timer.cancel()
+        return self.received()
+
+    def received(self) -> bytes:
+        """The body bytes buffered so far, taken (once ``complete``, the whole body: no wait needed)."""
         data = b"".join(self._pieces)
         self._pieces.clear()
         self._buffered = 0
@@ -215,8 +222,11 @@ class UpstreamResponse:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; parses one answer at a time."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin, key: _PoolKey) -> None:
+    def __init__(
+        self, pool: UpstreamPool, origin: Origin, key: _PoolKey, loop: asyncio.AbstractEventLoop
+    ) -> None:
         self.pool = pool
+        self.loop = loop
         self.origin = origin
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -287,7 +297,14 @@ class _Connection(asyncio.Protocol):
             return
         response.status = status
         response.keep_alive = self.parser.should_keep_alive()
-        length = response.header("content-length")
+        length = content_type = None
+        for key, value in response.headers:  # the first of each, in one pass
+            lk = key.lower()
+            if lk == "content-length":
+                if length is None:
+                    length = value
+            elif lk == "content-type" and content_type is None:
+                content_type = response.content_type = value
         if length is not None and length.isdigit():
             response.content_length = int(length)
         if self.headers_ready is not None and not self.headers_ready.done():
@@ -409,6 +426,15 @@ class UpstreamPool:
             asyncio.Semaphore(max_connections) if max_connections > 0 else None
         )
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the pool's connections live on, looked up once: every asyncio.get_running_loop()
+        is a getpid system call, and this is on every request's path."""
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
 
     def origin(self, base_url: str) -> Origin:
         return self._origin(base_url)[0]
@@ -453,7 +479,7 @@ class UpstreamPool:
         """
         if first_byte_timeout is None:
             return self._request(base_url, path, headers, body, connect_timeout, None, method)
-        deadline = asyncio.get_running_loop().time() + first_byte_timeout
+        deadline = self._running_loop().time() + first_byte_timeout
         sending = self._request(base_url, path, headers, body, connect_timeout, deadline, method)
         if first_byte_timeout < connect_timeout:
             return _connecting_within(sending, deadline)
@@ -480,7 +506,7 @@ class UpstreamPool:
             if conn is None:
                 conn = await self._connect(origin, key, connect_timeout)
             response = UpstreamResponse(conn, base_url)
-            loop = asyncio.get_running_loop()
+            loop = conn.loop
             conn.response = response
             conn.headers_ready = loop.create_future()
             conn.got_bytes = False
@@ -618,8 +644,8 @@ class UpstreamPool:
                     await self._slots.acquire()
             except TimeoutError:
                 raise ConnectTimedOut(f"no free connection slot in {connect_timeout:g} s") from None
-        loop = asyncio.get_running_loop()
-        conn = _Connection(self, origin, key)
+        loop = self._running_loop()
+        conn = _Connection(self, origin, key, loop)
         ssl_ctx: ssl.SSLContext | None = None
         if origin.scheme == "https":
             ssl_ctx = self._ssl or ssl.create_default_context()
@@ -698,8 +724,7 @@ async def _read_capped(resp: UpstreamResponse, max_bytes: int) -> bytes:
 def _request_head(
     method: str, origin: Origin, path: str, headers: list[tuple[str, str]], length: int
 ) -> bytes:
-    lines = [f"{method} {origin.base_path}{path} HTTP/1.1", f"Host: {origin.host_header}"]
-    lines.extend([f"{name}: {value}" for name, value in headers])
-    lines.append(f"Content-Length: {length}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+    head = f"{method} {origin.base_path}{path} HTTP/1.1\r\nHost: {origin.host_header}\r\n"
+    for name, value in headers:  # (a loop: a comprehension would cost a function object per call)
+        head += f"{name}: {value}\r\n"
+    return f"{head}Content-Length: {length}\r\n\r\n".encode("utf-8", "surrogateescape")

@@ -1,9 +1,9 @@
 """The router's HTTP/1.1 server: llhttp (``httptools``) on an asyncio protocol, nothing else in the way.
 
 A request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
-handed to one handler coroutine per request; the handler either returns a `Response` (sent with its
-length in one write) or streams through the connection (`start`, `write`, `end`: chunked encoding). Why
-not aiohttp's server: docs/design/router-request-path.md.
+handed to one handler coroutine per request, run by the connection's one task; the handler either returns
+a `Response` (sent with its length in one write) or streams through the connection (`start`, `write`,
+`end`: chunked encoding). Why not aiohttp's server: docs/design/router-request-path.md.
 
 Requests on one connection are answered in order, one handler at a time (keep-alive and pipelining, at
 most ``MAX_PIPELINED`` waiting). A request over a limit (``MAX_URL_BYTES``, ``MAX_HEADER_BYTES``,
@@ -108,6 +108,8 @@ class _Refuse(Exception):
 
 
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
+# The status line of every status with a known reason, encoded once.
+_STATUS_LINES = {code: f"HTTP/1.1 {code} {reason}\r\n".encode("ascii") for code, reason in _REASONS.items()}
 
 
 class _Clock:
@@ -173,7 +175,10 @@ class Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
         self._pending: collections.deque[Request] = collections.deque()
+        # The connection's one task, made at its first request; between requests it waits on ``_next``.
         self._task: asyncio.Task[None] | None = None
+        self._next: asyncio.Future[Request] | None = None
+        self._serving = False  # a request is being answered (and others may wait in _pending)
         # The connection's one deadline (0: none) and the timer that checks it (see _arm).
         self._deadline = 0.0
         self._timer: asyncio.TimerHandle | None = None
@@ -316,7 +321,7 @@ class Connection(asyncio.Protocol):
             self._upgrade_offer = True  # data_received reads this request again without Upgrade
             return
         if expect and version == "1.1":  # never a 1xx to HTTP/1.0 (RFC 9110 §15.2)
-            if self._task is not None:
+            if self._serving:
                 self._continue_held = True  # an earlier answer is being sent: _serve sends this one after it
             elif self._transport is not None:
                 self._transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -348,78 +353,96 @@ class Connection(asyncio.Protocol):
             parser.should_keep_alive(),
         )
         self._body = []
-        if self._task is None:
-            self._task = self._loop.create_task(self._serve(request))
-        else:
+        if self._serving:
             self._pending.append(request)
             if len(self._pending) >= MAX_PIPELINED:
                 self.pause_reading()
+            return
+        self._serving = True
+        waiting = self._next
+        if waiting is not None:
+            self._next = None
+            waiting.set_result(request)
+        else:
+            self._task = self._loop.create_task(self._serve(request))
 
     # -- serving -----------------------------------------------------------------------------------
     async def _serve(self, request: Request) -> None:
+        """Answer ``request``, those pipelined behind it, then every later one: the connection's one task
+        (a task per request would cost each one a task's set-up), waiting on ``_next`` between requests."""
         handler = self._server.handler
-        while True:
-            self._request = request
-            self._started = False
-            self._framing = _LENGTH
-            self._head_only = request.method == "HEAD"
-            try:
-                response = await handler(request, self)
-                if response is not None:
-                    self.send(response.status, response.headers, response.body)
-                elif not self._started:
-                    raise RuntimeError(f"handler for {request.method} {request.path} sent no response")
-            except asyncio.CancelledError:
-                self._task = None
-                raise
-            except (ConnectionResetError, BrokenPipeError):
-                self.close()
-            except Exception:
-                log.exception("handler for %s %s failed", request.method, request.path)
-                if not self._started:
-                    self.send_error(OpenAIError(500, "internal router error", "InternalServerError"))
-                self._close_after = True
-            if self._closed:
-                break
-            if self._framing == _CLOSE:
-                # A close-delimited stream (HTTP/1.0) ends only when the connection does.
-                self._close_after = True
-            if self._close_after or not request.keep_alive:
-                self.close()
-                break
-            if not self._pending:
-                break
-            if self._write_paused:
-                # The client leaves its answers unread: take no further request until it reads, or a client
-                # that pipelines and never reads would grow the answers buffered here without bound.
+        try:
+            while True:
+                self._request = request
+                self._started = False
+                self._framing = _LENGTH
+                self._head_only = request.method == "HEAD"
                 try:
-                    await self._drained()
-                except ConnectionResetError:
-                    break
-            request = self._pending.popleft()
-            if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
-                self.resume_reading()
-        self._task = None
-        self._request = None
-        transport = self._transport
-        if self._closed or transport is None or transport.is_closing():
-            return
-        if self._refusal is not None:
-            self._refuse(*self._refusal)  # a bad request behind the ones answered: its turn now, then close
-        else:
-            if self._continue_held and not self._body_size:
-                transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
-            self._continue_held = False
-            # A next request half received while this one was answered gets the rest of its time now.
-            self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
+                    response = await handler(request, self)
+                    if response is not None:
+                        self.send(response.status, response.headers, response.body)
+                    elif not self._started:
+                        raise RuntimeError(f"handler for {request.method} {request.path} sent no response")
+                except (ConnectionResetError, BrokenPipeError):
+                    self.close()
+                except Exception:
+                    log.exception("handler for %s %s failed", request.method, request.path)
+                    if not self._started:
+                        self.send_error(OpenAIError(500, "internal router error", "InternalServerError"))
+                    self._close_after = True
+                if self._closed:
+                    return
+                if self._framing == _CLOSE:
+                    # A close-delimited stream (HTTP/1.0) ends only when the connection does.
+                    self._close_after = True
+                if self._close_after or not request.keep_alive:
+                    self.close()
+                    return
+                if self._pending:
+                    if self._write_paused:
+                        # The client leaves its answers unread: take no further request until it reads, or a
+                        # client that pipelines and never reads would grow the answers buffered here without
+                        # bound.
+                        try:
+                            await self._drained()
+                        except ConnectionResetError:
+                            return
+                    request = self._pending.popleft()
+                    if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
+                        self.resume_reading()
+                    continue
+                # Every request received is answered.
+                self._serving = False
+                self._request = None
+                transport = self._transport
+                if transport is None or transport.is_closing():
+                    return
+                if self._refusal is not None:
+                    self._refuse(
+                        *self._refusal
+                    )  # a bad request behind the ones answered: its turn now, then close
+                    return
+                if self._continue_held and not self._body_size:
+                    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
+                self._continue_held = False
+                # A next request half received while this one was answered gets the rest of its time now.
+                self._arm(
+                    self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout
+                )
+                waiting = self._next = self._loop.create_future()
+                request = await waiting
+        finally:
+            self._task = self._next = self._request = None
+            self._serving = False
 
     def _head(self, status: int, headers: Iterable[tuple[str, str]], framing: bytes) -> bytes:
         server = self._server
-        lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}"]
-        lines.extend([f"{name}: {value}" for name, value in headers])
-        lines.append("")
-        head = "\r\n".join(lines).encode("utf-8", "surrogateescape")
-        return b"".join((head, server.default_lines, server.clock.date_line(), framing))
+        status_line = _STATUS_LINES.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode("ascii")
+        fields = ""
+        for name, value in headers:  # (a loop: a comprehension would cost a function object per call)
+            fields += f"{name}: {value}\r\n"
+        encoded = fields.encode("utf-8", "surrogateescape")
+        return b"".join((status_line, encoded, server.default_lines, server.clock.date_line(), framing))
 
     def send(self, status: int, headers: Iterable[tuple[str, str]], body: bytes) -> None:
         """A whole response with its Content-Length (no waiting: the transport buffers it)."""
@@ -522,7 +545,7 @@ class Connection(asyncio.Protocol):
     # -- connection control --------------------------------------------------------------------------
     def _refuse(self, status: int, message: str, retry_later: bool = False) -> None:
         """Answer a request that could not be read (or a connection over the limit), then close."""
-        if self._task is not None:
+        if self._serving:
             # Earlier requests are still being answered, and answers go out in order (RFC 9112 §9.3.2):
             # read nothing more; _serve sends this answer after theirs.
             if self._refusal is None:
@@ -565,9 +588,9 @@ class Connection(asyncio.Protocol):
         self._timed_out()
 
     def _timed_out(self) -> None:
-        if self._receiving and self._task is None:
+        if self._receiving and not self._serving:
             self._refuse(408, f"request not received within {self._server.receive_timeout:g} s")
-        elif self._task is None:
+        elif not self._serving:
             # Idle keep-alive: a client that has not taken the last answer by now stopped reading, and a close
             # would wait for it forever: drop it.
             if self.unsent:
@@ -608,7 +631,7 @@ class Connection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return self._task is None and not self._receiving
+        return not self._serving and not self._receiving
 
 
 class HttpServer:

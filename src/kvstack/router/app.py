@@ -101,7 +101,10 @@ class RouterApp:
             for op in ("add", "remove", "drain", "undrain", "circuit-open"):
                 group.on(op, self.apply_internal)
             group.on(FLUSH_HOT_SERIES, lambda op, body: self.metrics.flush_hot())
-        self._routes: dict[str, dict[str, Handler]] = {path: {"POST": self.proxied} for path in PROXIED_PATHS}
+        self._proxied: Handler = self.proxied  # (one bound method, for `handle` to know it)
+        self._routes: dict[str, dict[str, Handler]] = {
+            path: {"POST": self._proxied} for path in PROXIED_PATHS
+        }
         self._routes.update(
             {
                 "/v1/models": {"GET": self.models},
@@ -124,19 +127,32 @@ class RouterApp:
     async def close(self) -> None:
         await self.fleet.close()
 
-    async def handle(self, request: Request, conn: Connection) -> Response | None:
-        """Every request: route by path and method, check keys, answer errors in OpenAI JSON."""
+    def handle(self, request: Request, conn: Connection) -> Awaitable[Response | None]:
+        """Every request: route by path and method, check keys, answer errors in OpenAI JSON.
+
+        (A plain function: a proxied request's handler, which answers its own errors, is handed to the server
+        as it is, one coroutine fewer on every proxied request; the others run in `_answering`.)"""
         methods = self._routes.get(request.path)
         if methods is None:
-            return _error(OpenAIError(404, "Not Found", "Not Found"))
+            return _answered(_error(OpenAIError(404, "Not Found", "Not Found")))
         handler = methods.get(request.method)
         if handler is None and request.method == "HEAD":
             handler = methods.get("GET")
         if handler is None:
             allowed = ", ".join(sorted(methods))
-            return _error(OpenAIError(405, "Method Not Allowed", "Method Not Allowed"), [("Allow", allowed)])
+            err = OpenAIError(405, "Method Not Allowed", "Method Not Allowed")
+            return _answered(_error(err, [("Allow", allowed)]))
         try:
             self._authorize(request)
+        except OpenAIError as err:
+            return _answered(_error(err, [("x-request-id", request_id_of(request))]))
+        if handler is self._proxied:
+            return handler(request, conn)
+        return self._answering(handler, request, conn)
+
+    async def _answering(self, handler: Handler, request: Request, conn: Connection) -> Response | None:
+        """``handler``'s answer; an OpenAIError it raises as OpenAI error JSON."""
+        try:
             return await handler(request, conn)
         except OpenAIError as err:
             if conn.response_started:
@@ -264,7 +280,8 @@ class RouterApp:
             timeouts = self.config.timeouts.overridden(request.headers)
             if route.model in self.registry.models():
                 model_label = route.model
-            await self.admission.acquire()
+            if not self.admission.try_acquire():  # (a coroutine per request spared when a slot is free)
+                await self.admission.acquire()
             try:
                 # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays
                 # stable.
@@ -310,6 +327,10 @@ class RouterApp:
                     model_label, outcome.first_byte_at - started, time.monotonic() - started
                 )
         return None
+
+
+async def _answered(response: Response) -> Response:
+    return response
 
 
 def _json(body: Any, status: int = 200, headers: Sequence[tuple[str, str]] = ()) -> Response:

@@ -59,18 +59,21 @@ _DROP_REQUEST_HEADERS = frozenset(
         "expect",  # the router already read the whole body; an engine's "100 Continue" would be in the way
     }
 )
+_NOT_FORWARDED = _DROP_REQUEST_HEADERS | {"x-request-id"}  # the router sends its own request id
 # Bodies are relayed as the engine sent them (never decompressed), so Content-Encoding passes through.
 _DROP_RESPONSE_HEADERS = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
 )
 TIMEOUT_HEADER_PREFIX = "x-kvstack-timeout-"
+# Response header naming the engine that answered (for clients, load tests and debugging).
+ENGINE_HEADER = "x-kvstack-engine"
+# What an engine's answer loses on its way to the client: the headers above and the ones the router sets.
+_NOT_RELAYED = _DROP_RESPONSE_HEADERS | {"x-request-id", ENGINE_HEADER}
 # (header, Timeouts field) of each per-request timeout override.
 _TIMEOUT_HEADERS = tuple(
     (TIMEOUT_HEADER_PREFIX + name, name.replace("-", "_"))
     for name in ("connect", "first-byte", "idle", "total")
 )
-# Response header naming the engine that answered (for clients, load tests and debugging).
-ENGINE_HEADER = "x-kvstack-engine"
 # Sized (non-streaming) answers up to this size are relayed in one piece, with their Content-Length.
 WHOLE_BODY_MAX = 8 * 1024 * 1024
 # An SSE event longer than this is relayed as it arrives instead of whole.
@@ -264,14 +267,14 @@ class Proxy:
     ) -> None:
         state, breaker = entry.state, entry.breaker
         url = state.url
+        started = self._clock()
         state.in_flight += 1
         self.registry.publish_in_flight(entry)
-        self.registry.note_sent(state, self._clock())
+        self.registry.note_sent(state, started)
         in_flight_gauge = self.metrics.engine_in_flight(url)
         in_flight_gauge.set(state.in_flight)
         upstream: UpstreamResponse | None = None
         settled = False
-        started = self._clock()
 
         def settle(ok: bool | None) -> None:
             nonlocal settled
@@ -282,7 +285,7 @@ class Proxy:
             self.metrics.set_circuit(url, breaker.state)
 
         try:
-            bound, first_byte = timeouts.limit("first_byte", deadline - self._clock())
+            bound, first_byte = timeouts.limit("first_byte", deadline - started)
             try:
                 upstream = await self.upstream.request(
                     url,
@@ -314,22 +317,25 @@ class Proxy:
             elif upstream.status >= 400:
                 settle(None)  # client errors say nothing about the engine
             resp_headers = _response_headers(upstream, request_id, url)
-            is_sse = (upstream.header("content-type") or "").startswith("text/event-stream")
+            is_sse = upstream.content_type.startswith("text/event-stream")
             length = upstream.content_length
 
             if upstream.status in NO_BODY_STATUSES or (
                 not is_sse and length is not None and length <= WHOLE_BODY_MAX
             ):
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
-                bound, within = timeouts.limit("idle", deadline - self._clock())
-                try:
-                    data = await upstream.read(within)
-                except UpstreamError as exc:
-                    timed_out = isinstance(exc, TimeoutError)
-                    settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
-                    # Nothing reached the client yet: another engine may answer.
-                    reason = "timeout_before_content" if timed_out else "broken_before_content"
-                    raise _Retryable(reason) from None
+                if upstream.complete:  # it came with the headers (small answers do): nothing to wait for
+                    data = upstream.received()
+                else:
+                    bound, within = timeouts.limit("idle", deadline - self._clock())
+                    try:
+                        data = await upstream.read(within)
+                    except UpstreamError as exc:
+                        timed_out = isinstance(exc, TimeoutError)
+                        settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
+                        # Nothing reached the client yet: another engine may answer.
+                        reason = "timeout_before_content" if timed_out else "broken_before_content"
+                        raise _Retryable(reason) from None
                 outcome.status = upstream.status
                 outcome.first_byte_at = self._clock()
                 settle(upstream.status < 500)
@@ -594,16 +600,15 @@ async def _read_small(resp: UpstreamResponse, wait_s: float, limit: int = 1 << 2
 
 def forward_headers(incoming: Mapping[str, str], request_id: str) -> list[tuple[str, str]]:
     """The client's headers as an engine gets them: hop-by-hop and router-only ones out, our request id in."""
-    out: list[tuple[str, str]] = []
-    drop = _DROP_REQUEST_HEADERS
+    drop = _NOT_FORWARDED
     named = incoming.get("connection")
     if named:  # headers the Connection header names are hop-by-hop too (RFC 9110 §7.6.1), e.g. HTTP2-Settings
         drop = drop | {name.strip().lower() for name in named.split(",")}
-    for key, value in incoming.items():
+    out = []
+    for key, value in incoming.items():  # (a loop: a comprehension would cost a function object per call)
         lk = key.lower()
-        if lk in drop or lk.startswith(TIMEOUT_HEADER_PREFIX) or lk == "x-request-id":
-            continue
-        out.append((key, value))
+        if lk not in drop and not lk.startswith(TIMEOUT_HEADER_PREFIX):
+            out.append((key, value))
     out.append(("x-request-id", request_id))
     return out
 
@@ -626,11 +631,9 @@ def _refusal(resp: UpstreamResponse, body: bytes, request_id: str) -> tuple[list
 
 
 def _response_headers(resp: UpstreamResponse, request_id: str, engine: str) -> list[tuple[str, str]]:
-    out = [
-        (key, value)
-        for key, value in resp.headers
-        if (lk := key.lower()) not in _DROP_RESPONSE_HEADERS and lk != "x-request-id" and lk != ENGINE_HEADER
-    ]
-    out.append(("x-request-id", request_id))
-    out.append((ENGINE_HEADER, engine))
+    out = []
+    for key, value in resp.headers:
+        if key.lower() not in _NOT_RELAYED:
+            out.append((key, value))
+    out += (("x-request-id", request_id), (ENGINE_HEADER, engine))
     return out

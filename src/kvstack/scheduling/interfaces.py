@@ -58,7 +58,9 @@ class PrefixView:
         return cached
 
 
-@dataclass(frozen=True, slots=True)
+# Made for every decision: not frozen, whose __init__ costs a Python-level object.__setattr__ per field
+# (as kvstack.frontend.routing's RouteRequest and Decision). Read-only all the same: no plugin writes one.
+@dataclass(slots=True)
 class SchedulingRequest:
     """One request as scheduling sees it; the router (proxy or ext_proc) builds it from the parsed body."""
 
@@ -215,7 +217,8 @@ class Picker(Plugin):
         """Every candidate in preference order: the first is the target, the rest are retry fallbacks."""
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as SchedulingRequest (made for every decision).
+@dataclass(slots=True)
 class ProfileResult:
     """What one profile chose."""
 
@@ -225,7 +228,8 @@ class ProfileResult:
     emptied_by: str | None = None  # the filter that left no candidate
 
 
-@dataclass(frozen=True, slots=True)
+# Not frozen, as SchedulingRequest (made for every decision).
+@dataclass(slots=True)
 class SchedulingResult:
     """The decision: per profile that ran, its result; which one carries the request; which prefills it.
 

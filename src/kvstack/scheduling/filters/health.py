@@ -23,7 +23,11 @@ class HealthFilter(Filter):
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: list[EngineState]
     ) -> list[EngineState]:
-        return [e for e in candidates if e.routable]
+        routable = []
+        for e in candidates:  # (a loop, not a comprehension: that is a function object made per request)
+            if e.routable:
+                routable.append(e)
+        return routable
 
 
 def unroutable_reason(engine: EngineState) -> str:

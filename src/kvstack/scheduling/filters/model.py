@@ -25,7 +25,15 @@ class ModelFilter(Filter):
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: list[EngineState]
     ) -> list[EngineState]:
-        serving = [e for e in candidates if request.model in e.endpoint.models]
+        # (Loops, not comprehensions: each of those is a function object made per request.)
+        model = request.model
+        serving = []
+        for e in candidates:
+            if model in e.endpoint.models:
+                serving.append(e)
         if serving:
             return serving
-        return [e for e in candidates if not e.endpoint.models]
+        for e in candidates:
+            if not e.endpoint.models:
+                serving.append(e)
+        return serving

@@ -51,5 +51,8 @@ class SaturationFilter(Filter):
     def filter(
         self, request: SchedulingRequest, state: CycleState, candidates: list[EngineState]
     ) -> list[EngineState]:
-        room = [e for e in candidates if not self.saturated(e)]
+        room = []
+        for e in candidates:  # (a loop, not a comprehension: that is a function object made per request)
+            if not self.saturated(e):
+                room.append(e)
         return room or candidates
