@@ -164,22 +164,12 @@ async def running_router(opts: RouterOptions) -> AsyncIterator[RunningRouter]:
         await router.stop()
 
 
-# Container objects allocated and not yet freed before a young collection runs. At Python's default (700) the
-# objects of 64 connections' requests in flight set one off every ~40 requests, each walking live objects
-# only (plain requests leave no cycles); from 3,000 none ran under the same load. Not far above that: cycles
-# that do arise (a failed attempt's exception and its frames, which hold the request body) wait until then.
-YOUNG_COLLECTION_THRESHOLD = 10_000
-
-
 def settle_garbage_collector() -> None:
     """Move everything built at start (tokenizers, templates, metric families, indexes) out of the collector's
     sight, so a full collection scans only what requests made since: a full pass over the start-up heap
-    paused the event loop for tens of milliseconds at a time, which is every request's tail latency. Then
-    collect young objects only every `YOUNG_COLLECTION_THRESHOLD` net allocations."""
+    paused the event loop for tens of milliseconds at a time, which is every request's tail latency."""
     gc.collect()
     gc.freeze()
-    _, older, oldest = gc.get_threshold()
-    gc.set_threshold(YOUNG_COLLECTION_THRESHOLD, older, oldest)
 
 
 async def serve_forever(opts: RouterOptions) -> None:
