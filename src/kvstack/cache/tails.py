@@ -55,10 +55,11 @@ class TailIndex:
 
     def after(self, parent: bytes | None) -> list[tuple[int, bytes]]:
         """The tails indexed after ``parent``, longest first (may include evicted chunks)."""
-        tails = self._by_parent.get(ROOT_PARENT if parent is None else parent)
+        parent = ROOT_PARENT if parent is None else parent
+        tails = self._by_parent.get(parent)
         if not tails:
             return []
-        self._by_parent.move_to_end(ROOT_PARENT if parent is None else parent)
+        self._by_parent.move_to_end(parent)
         return sorted(tails.items(), reverse=True)
 
     def forget(self, parent: bytes | None, key: bytes) -> None:
