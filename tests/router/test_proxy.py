@@ -135,14 +135,17 @@ async def test_bad_input_gets_openai_error_json(
     assert model == (MODEL if engine_side else "other")  # a refused body's model is never a label
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_a_router_bug_answers_500_and_is_counted_as_500(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
-    async def broken(*_: object) -> None:
+    def broken(*_: object) -> None:
         raise RuntimeError("scheduler bug")
 
-    monkeypatch.setattr(stack.router.app.picker, "pick", broken)
-    async with stack.http.post(f"{stack.url}/v1/completions", json={"model": MODEL, "prompt": "x"}) as r:
+    # (plain requests are picked without a coroutine, streams with one: both meet the bug)
+    monkeypatch.setattr(stack.router.app.picker, "scheduler_for", broken)
+    body = {"model": MODEL, "prompt": "x", "stream": stream}
+    async with stack.http.post(f"{stack.url}/v1/completions", json=body) as r:
         assert r.status == 500
         assert (await r.json())["error"]["type"] == "InternalServerError"
     assert "scheduler bug" in caplog.text

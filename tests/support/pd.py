@@ -28,6 +28,9 @@ class FixedDecision:
         self.seen.append(route)
         return Decision(self.profile, list(self.candidates), list(self.prefill))
 
+    def decide(self, route: RouteRequest, states: list[EngineState]) -> Decision | None:
+        return None  # (every request through pick, so that ``seen`` holds each one once)
+
 
 async def engine_page(http: aiohttp.ClientSession, url: str) -> str:
     async with http.get(f"{url}/metrics") as r:

@@ -124,6 +124,9 @@ class Picker(Protocol):
 
     async def pick(self, request: RouteRequest, states: list[EngineState]) -> Decision: ...
 
+    def decide(self, request: RouteRequest, states: list[EngineState]) -> Decision | None:
+        """`pick` without waiting: None when this request's decision needs to wait (for its tokens)."""
+
 
 class SchedulerPicker:
     """Adapts ``Scheduler`` to the router: returns (profile, [target, *fallbacks]) as engine URLs."""
@@ -155,11 +158,7 @@ class SchedulerPicker:
         return self.scheduler
 
     async def pick(self, route: RouteRequest, states: list[EngineState]) -> Decision:
-        model = route.model
-        if model is None:
-            # No model named: vLLM serves its default; any engine that serves exactly one model will do.
-            known = {m for s in states for m in s.endpoint.models}
-            model = next(iter(known)) if len(known) == 1 else ""
+        model = _model_of(route, states)
         scheduler = self.scheduler_for(states)
         lookup: PrefixLookup | None = None
         token_ids = None
@@ -175,6 +174,24 @@ class SchedulerPicker:
                     model=model,
                     cache_salt=salt if isinstance(salt, str) else None,
                 )
+        return self._decide(route, states, model, scheduler, now, token_ids, lookup)
+
+    def decide(self, route: RouteRequest, states: list[EngineState]) -> Decision | None:
+        scheduler = self.scheduler_for(states)
+        if scheduler.needs_prefix and self.prompts is not None and self.locator is not None:
+            return None  # (the prompt's tokens and where they are cached: pick waits for them)
+        return self._decide(route, states, _model_of(route, states), scheduler, time.monotonic(), None, None)
+
+    def _decide(
+        self,
+        route: RouteRequest,
+        states: list[EngineState],
+        model: str,
+        scheduler: Scheduler,
+        now: float,
+        token_ids: Sequence[int] | None,
+        lookup: PrefixLookup | None,
+    ) -> Decision:
         request = SchedulingRequest(
             model=model,
             request_id=route.request_id,
@@ -211,6 +228,15 @@ class SchedulerPicker:
             if url not in chosen and _may_serve(s, model):
                 ordered.append(url)
         return Decision(result.primary_profile, ordered, prefill)
+
+
+def _model_of(route: RouteRequest, states: list[EngineState]) -> str:
+    """The model a request is scheduled for. None named: vLLM serves its default, so any engine that
+    serves exactly one model will do."""
+    if route.model is not None:
+        return route.model
+    known = {m for s in states for m in s.endpoint.models}
+    return next(iter(known)) if len(known) == 1 else ""
 
 
 def _may_serve(state: EngineState, model: str) -> bool:

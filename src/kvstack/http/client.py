@@ -3,7 +3,9 @@
 - ``UpstreamPool.request`` sends one request (one pre-built header block and the body) and returns an
   ``UpstreamResponse`` once its headers arrived; the body is read with ``read()`` or ``readany()`` (or taken
   with ``received()`` once ``complete``), and reading pauses while more than ``READ_HIGH_WATER`` bytes wait
-  for the caller. The proxy relays with it.
+  for the caller. The proxy relays with it. ``UpstreamPool.send_now`` sends on an idle pooled connection
+  without waiting and calls back once the headers (or a failure) came: a plain request's path with no
+  coroutine.
 - ``UpstreamPool.get`` / ``post_json``: a side call (/metrics, /v1/models, /tokenize, /kv_event_sources)
   returning the whole ``Reply`` (status, headers, body) within a total time ``within``, the body at most
   ``max_bytes``. Any status is a reply; the caller judges it.
@@ -22,7 +24,7 @@ import collections
 import json
 import ssl
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -126,6 +128,12 @@ class UpstreamResponse:
     def complete(self) -> bool:
         return self._done
 
+    @property
+    def unanswered(self) -> bool:
+        """The engine sent nothing back on this request's connection (a request that failed so was never
+        seen by it: sending it again is safe)."""
+        return not self._conn.got_bytes
+
     # -- fed by the connection -----------------------------------------------------------------------
     def _feed(self, data: bytes) -> None:
         self._pieces.append(data)
@@ -219,6 +227,9 @@ class UpstreamResponse:
         self._conn.close()
 
 
+Answered = Callable[[UpstreamResponse, "UpstreamError | None"], None]
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection to an engine; parses one answer at a time."""
 
@@ -233,6 +244,8 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.response: UpstreamResponse | None = None
         self.headers_ready: asyncio.Future[None] | None = None
+        # `UpstreamPool.send_now`'s callback: called once, soon after the headers or a failure before them.
+        self.on_answer: Answered | None = None
         self.got_bytes = False
         self.interim = False
         self.closed = False
@@ -267,8 +280,7 @@ class _Connection(asyncio.Protocol):
         self._stop_timer()
         self.pool._forget(self)
         error = UpstreamBroken(f"connection to the engine lost{f': {exc}' if exc else ''}")
-        if self.headers_ready is not None and not self.headers_ready.done():
-            self.headers_ready.set_exception(error)
+        self._no_headers(error)
         response = self.response
         if response is None or response.complete:
             return
@@ -309,6 +321,13 @@ class _Connection(asyncio.Protocol):
             response.content_length = int(length)
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_result(None)
+        answered = self.on_answer
+        if answered is not None:
+            # Called soon, not now: the body that came with the headers is parsed first, and the caller's
+            # writes go out after the loop has read every socket that was ready.
+            self.on_answer = None
+            self.headers_due = 0.0
+            self.loop.call_soon(answered, response, None)
 
     def on_body(self, body: bytes) -> None:
         assert self.response is not None
@@ -322,10 +341,19 @@ class _Connection(asyncio.Protocol):
         self.response._finish()
 
     # -- used by the pool and the response ----------------------------------------------------------
-    def _broken(self, why: str) -> None:
-        error = UpstreamBroken(why)
+    def _no_headers(self, error: UpstreamError) -> None:
+        """The request failed before its answer's headers: tell whoever waits for them."""
         if self.headers_ready is not None and not self.headers_ready.done():
             self.headers_ready.set_exception(error)
+        answered = self.on_answer
+        if answered is not None and self.response is not None:
+            self.on_answer = None
+            self.headers_due = 0.0
+            self.loop.call_soon(answered, self.response, error)
+
+    def _broken(self, why: str) -> None:
+        error = UpstreamBroken(why)
+        self._no_headers(error)
         if self.response is not None:
             self.response._fail(error)
         self.close()
@@ -358,9 +386,7 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def headers_timed_out(self) -> None:
-        waiter = self.headers_ready
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(UpstreamTimeout("first_byte_timeout", "no answer from the engine in time"))
+        self._no_headers(UpstreamTimeout("first_byte_timeout", "no answer from the engine in time"))
         self.close()
 
     def pause(self) -> None:
@@ -387,6 +413,7 @@ class _Connection(asyncio.Protocol):
             return
         self.response = None
         self.headers_ready = None
+        self.on_answer = None
         self.pool._idle(self)
 
 
@@ -532,6 +559,44 @@ class UpstreamPool:
                 conn.headers_due = 0.0
             return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
+
+    def send_now(
+        self,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        *,
+        first_byte_timeout: float,
+        on_answer: Answered,
+        method: str = "POST",
+    ) -> UpstreamResponse | None:
+        """Send one request on an idle pooled connection, without waiting; None (nothing sent) when the
+        engine has no idle connection or its URL is unusable: ``request`` connects.
+
+        ``on_answer(response, error)`` is called once, from the event loop: soon after the answer's headers
+        (error None; a body that came with them is in ``response`` by then) or after a failure before them
+        (an ``UpstreamError``: ``UpstreamTimeout("first_byte_timeout")`` after ``first_byte_timeout`` s,
+        ``UpstreamBroken``; the connection is closed; ``response.unanswered`` says whether the engine
+        sent nothing at all, as when it had closed the idle connection)."""
+        try:
+            origin, key = self._origin(base_url)
+            head = _request_head(method, origin, path, headers, len(body))
+        except ValueError:
+            return None
+        conn = self._take_idle(key)
+        if conn is None:
+            return None
+        response = UpstreamResponse(conn, base_url)
+        conn.response = response
+        conn.got_bytes = False
+        conn.uses += 1
+        conn.on_answer = on_answer
+        assert conn.transport is not None  # (pooled connections are connected)
+        conn.transport.writelines((head, body) if body else (head,))
+        loop = conn.loop
+        conn.expect_headers_by(loop.time() + first_byte_timeout, loop)
+        return response
 
     async def get(
         self,

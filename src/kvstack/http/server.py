@@ -96,6 +96,10 @@ class Response:
 
 
 Handler = Callable[[Request, "Connection"], Awaitable[Response | None]]
+# Takes a request and answers it from callbacks, with no coroutine (True), or declines it (False): the
+# handler gets it. One that takes a request calls `Connection.finish` once it is answered, or hands the
+# rest to `Connection.serve_rest`.
+Direct = Callable[[Request, "Connection"], bool]
 
 
 class _Refuse(Exception):
@@ -178,6 +182,10 @@ class Connection(asyncio.Protocol):
         # The connection's one task, made at its first request; between requests it waits on ``_next``.
         self._task: asyncio.Task[None] | None = None
         self._next: asyncio.Future[Request] | None = None
+        self._rest: asyncio.Task[None] | None = None  # a direct request's rest, run as a coroutine
+        # Called once if the client leaves while a request taken directly is being answered.
+        self.on_lost: Callable[[], None] | None = None
+        self._next_after_drain = False  # pipelined requests wait until the client reads its answers
         self._serving = False  # a request is being answered (and others may wait in _pending)
         # The connection's one deadline (0: none) and the timer that checks it (see _arm).
         self._deadline = 0.0
@@ -258,6 +266,12 @@ class Connection(asyncio.Protocol):
             self._drain.set_exception(ConnectionResetError("client disconnected"))
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client left: its handler stops (and the proxy aborts upstream)
+        if self._rest is not None and not self._rest.done():
+            self._rest.cancel()
+        lost = self.on_lost
+        if lost is not None:
+            self.on_lost = None
+            lost()
 
     def pause_writing(self) -> None:
         self._write_paused = True
@@ -267,6 +281,9 @@ class Connection(asyncio.Protocol):
         if self._drain is not None and not self._drain.done():
             self._drain.set_result(None)
         self._drain = None
+        if self._next_after_drain:
+            self._next_after_drain = False
+            self._next_pending()
 
     # -- httptools callbacks -----------------------------------------------------------------------
     def on_message_begin(self) -> None:
@@ -359,6 +376,31 @@ class Connection(asyncio.Protocol):
                 self.pause_reading()
             return
         self._serving = True
+        if self._server.direct is not None:
+            # Soon, not now: every socket that is ready is read before the answers' writes go out.
+            self._loop.call_soon(self._take, request)
+        else:
+            self._to_task(request)
+
+    # -- serving -----------------------------------------------------------------------------------
+    def _take(self, request: Request) -> None:
+        """``request``'s turn: the server's ``direct`` path, or, when that declines it, the handler."""
+        direct = self._server.direct
+        if self._closed:
+            self._serving = False
+            return
+        self._begin(request)
+        try:
+            taken = direct is not None and direct(request, self)
+        except Exception:
+            self.failed()
+            self.finish()
+            return
+        if not taken:
+            self._to_task(request)
+
+    def _to_task(self, request: Request) -> None:
+        """Hand ``request`` to the connection's task (made at its first request)."""
         waiting = self._next
         if waiting is not None:
             self._next = None
@@ -366,30 +408,104 @@ class Connection(asyncio.Protocol):
         else:
             self._task = self._loop.create_task(self._serve(request))
 
-    # -- serving -----------------------------------------------------------------------------------
+    def _begin(self, request: Request) -> None:
+        self._request = request
+        self._started = False
+        self._framing = _LENGTH
+        self._head_only = request.method == "HEAD"
+
+    def serve_rest(self, answering: Awaitable[Response | None]) -> None:
+        """The rest of a request ``direct`` took, as a coroutine: what it returns is answered as a handler's
+        answer is, then the connection takes its next request. The client leaving cancels it."""
+        self._rest = self._loop.create_task(self._serve_rest(answering))
+
+    async def _serve_rest(self, answering: Awaitable[Response | None]) -> None:
+        try:
+            await self._answer(answering)
+        finally:
+            self._rest = None
+        self.finish()
+
+    def finish(self) -> None:
+        """The request ``direct`` took is answered (or its client left): the connection takes the next."""
+        self.on_lost = None
+        request = self._request
+        if self._closed:
+            self._serving = False
+            self._request = None
+            return
+        if self._framing == _CLOSE or self._close_after or request is None or not request.keep_alive:
+            self._serving = False
+            self._request = None
+            self.close()
+            return
+        if self._pending:
+            if self._write_paused:
+                self._next_after_drain = True  # (see _serve: no further request while answers go unread)
+            else:
+                self._next_pending()
+            return
+        self._idle_again()
+
+    def _next_pending(self) -> None:
+        if self._closed or not self._pending:
+            return
+        request = self._pending.popleft()
+        if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
+            self.resume_reading()
+        self._loop.call_soon(self._take, request)
+
+    def _idle_again(self) -> bool:
+        """Every request received is answered: wait for the next one (False: the connection is done)."""
+        self._serving = False
+        self._request = None
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return False
+        if self._refusal is not None:
+            self._refuse(*self._refusal)  # a bad request behind the ones answered: its turn now, then close
+            return False
+        if self._continue_held and not self._body_size:
+            transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
+        self._continue_held = False
+        # A next request half received while this one was answered gets the rest of its time now.
+        self._arm(self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout)
+        return True
+
+    async def _answer(self, answering: Awaitable[Response | None]) -> None:
+        """Send what the handler's ``answering`` returns; a handler that fails gets a 500 if it can."""
+        request = self._request
+        try:
+            response = await answering
+            if response is not None:
+                self.send(response.status, response.headers, response.body)
+            elif not self._started:
+                what = "" if request is None else f" for {request.method} {request.path}"
+                raise RuntimeError(f"handler{what} sent no response")
+        except (ConnectionResetError, BrokenPipeError):
+            self.close()
+        except Exception:
+            self.failed()
+
+    def failed(self) -> None:
+        """(In an ``except`` block) answering the request failed in the router: the error is logged, the
+        client gets a 500 if nothing was sent yet, and the connection closes after it."""
+        request = self._request
+        what = "" if request is None else f" for {request.method} {request.path}"
+        log.exception("handler%s failed", what)
+        self._close_after = True
+        if not self._started:
+            with contextlib.suppress(ConnectionResetError):
+                self.send_error(OpenAIError(500, "internal router error", "InternalServerError"))
+
     async def _serve(self, request: Request) -> None:
         """Answer ``request``, those pipelined behind it, then every later one: the connection's one task
         (a task per request would cost each one a task's set-up), waiting on ``_next`` between requests."""
         handler = self._server.handler
         try:
             while True:
-                self._request = request
-                self._started = False
-                self._framing = _LENGTH
-                self._head_only = request.method == "HEAD"
-                try:
-                    response = await handler(request, self)
-                    if response is not None:
-                        self.send(response.status, response.headers, response.body)
-                    elif not self._started:
-                        raise RuntimeError(f"handler for {request.method} {request.path} sent no response")
-                except (ConnectionResetError, BrokenPipeError):
-                    self.close()
-                except Exception:
-                    log.exception("handler for %s %s failed", request.method, request.path)
-                    if not self._started:
-                        self.send_error(OpenAIError(500, "internal router error", "InternalServerError"))
-                    self._close_after = True
+                self._begin(request)
+                await self._answer(handler(request, self))
                 if self._closed:
                     return
                 if self._framing == _CLOSE:
@@ -411,24 +527,8 @@ class Connection(asyncio.Protocol):
                     if self._reading_paused and len(self._pending) < MAX_PIPELINED // 2:
                         self.resume_reading()
                     continue
-                # Every request received is answered.
-                self._serving = False
-                self._request = None
-                transport = self._transport
-                if transport is None or transport.is_closing():
+                if not self._idle_again():
                     return
-                if self._refusal is not None:
-                    self._refuse(
-                        *self._refusal
-                    )  # a bad request behind the ones answered: its turn now, then close
-                    return
-                if self._continue_held and not self._body_size:
-                    transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the request being received is next
-                self._continue_held = False
-                # A next request half received while this one was answered gets the rest of its time now.
-                self._arm(
-                    self._server.receive_timeout if self._receiving else self._server.keep_alive_timeout
-                )
                 waiting = self._next = self._loop.create_future()
                 request = await waiting
         finally:
@@ -522,6 +622,11 @@ class Connection(asyncio.Protocol):
     @property
     def response_started(self) -> bool:
         return self._started
+
+    @property
+    def closed(self) -> bool:
+        """The client's connection is gone (or closing)."""
+        return self._closed or self._transport is None or self._transport.is_closing()
 
     def _without_upgrade(self) -> bytes:
         """The head of the Upgrade request just read, without Upgrade, for a new parser to read again.
@@ -646,8 +751,10 @@ class HttpServer:
         receive_timeout: float = 60.0,
         default_headers: Iterable[tuple[str, str]] = (),
         max_connections: int = 16384,
+        direct: Direct | None = None,
     ) -> None:
         self.handler = handler
+        self.direct = direct
         self.max_connections = max_connections
         self.max_body = max_body
         self.keep_alive_timeout = keep_alive_timeout

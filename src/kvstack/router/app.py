@@ -33,13 +33,13 @@ from kvstack.engines.specs import EngineSpecError, build_endpoint
 from kvstack.engines.state import Endpoint
 from kvstack.frontend.admission import AdmissionController, AdmissionRejected
 from kvstack.frontend.fleet import Fleet
-from kvstack.frontend.routing import Picker, decode_json, parse_route, request_id
+from kvstack.frontend.routing import Decision, Picker, RouteRequest, decode_json, parse_route, request_id
 from kvstack.http.server import Connection, HttpServer, Request, Response
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
 from kvstack.router.hold import HoldPolicy
 from kvstack.router.prefill import PrefillStep
-from kvstack.router.proxy import Outcome, Proxy, Timeouts
+from kvstack.router.proxy import Outcome, Proxy, Sent, Timeouts
 from kvstack.router.workers import WorkerGroup
 from kvstack.scheduling.interfaces import SESSION_HEADERS
 
@@ -57,6 +57,7 @@ PROXIED_PATHS = (
     "/tokenize",
     "/detokenize",
 )
+_PROXIED = frozenset(PROXIED_PATHS)
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 
@@ -122,7 +123,12 @@ class RouterApp:
     def server(self) -> HttpServer:
         """The HTTP server for this app (not yet listening)."""
         default_headers = [] if self.group is None else [(WORKER_HEADER, self._worker_index)]
-        return HttpServer(self.handle, max_body=self.config.max_body_bytes, default_headers=default_headers)
+        return HttpServer(
+            self.handle,
+            max_body=self.config.max_body_bytes,
+            default_headers=default_headers,
+            direct=self.direct,
+        )
 
     async def close(self) -> None:
         await self.fleet.close()
@@ -267,66 +273,211 @@ class RouterApp:
             raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 
     async def proxied(self, request: Request, conn: Connection) -> Response | None:
-        started = time.monotonic()
-        raw = request.body
-        outcome = Outcome()
-        model_label = "other"  # until the body names a served model: a client cannot grow the series
-        request_id = request_id_of(request)
+        flight = _Flight(request_id_of(request))
         try:
-            # Refused requests (bad JSON, unknown model, bad timeout header) are counted too, engine "none".
-            route = parse_route(
-                request.path, request.headers, raw, request_id, self.registry, self.config.session_headers
-            )
-            timeouts = self.config.timeouts.overridden(request.headers)
-            if route.model in self.registry.models():
-                model_label = route.model
+            route, timeouts = self._route(request, flight)
             if not self.admission.try_acquire():  # (a coroutine per request spared when a slot is free)
                 await self.admission.acquire()
             try:
                 # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays
                 # stable.
                 decision = await self.picker.pick(route, self.registry.states())
-                candidates = decision.candidates
                 self.metrics.decision(decision.profile, decision.target)
-                body = raw
-                if decision.prefill:
-                    body = await self.prefill.decode_body(
-                        route, raw, decision.prefill, request.headers, timeouts
-                    )
-                await self.proxy.forward(
-                    conn,
-                    request.headers,
-                    path=route.path,
-                    body=body,
-                    candidates=candidates,
-                    stream=route.stream,
-                    request_id=route.request_id,
-                    timeouts=timeouts,
-                    outcome=outcome,
-                )
+                await self._forward(conn, request, route, decision, timeouts, flight, None)
             finally:
                 self.admission.release()
-        except AdmissionRejected as rej:
-            self.metrics.admission_rejections.labels(reason=rej.reason).inc()
-            err = errors.rate_limited(f"router is at capacity ({rej.reason}); retry later")
-            outcome.status = 429
-            return _error(err, [("Retry-After", rej.retry_after_header), ("x-request-id", request_id)])
-        except OpenAIError as err:
-            outcome.status = err.status
-            if conn.response_started:
-                raise
-            return _error(err, [("x-request-id", request_id)])
-        except Exception:
-            if not outcome.status and outcome.error != "client_disconnected":
-                outcome.status = 500  # what the server answers for it (a client that left counts as 499)
-            raise
+        except Exception as exc:
+            return self._failed(exc, conn, flight)
         finally:
-            self.metrics.request_done(model_label, outcome.engine or "none", str(outcome.status or 499))
-            if outcome.first_byte_at is not None:
-                self.metrics.observe_latency(
-                    model_label, outcome.first_byte_at - started, time.monotonic() - started
-                )
+            self._count(flight)
         return None
+
+    def direct(self, request: Request, conn: Connection) -> bool:
+        """A plain request's path with no coroutine (the server's ``direct``; design/router-request-path.md).
+
+        A proxied POST that is not a stream and is admitted and routed at once (no queue, no tokenizing) is
+        taken: sent from here when it finds an idle connection to its engine (and needs no prefill), its
+        answer relayed from the callback when it comes whole; anything else (connecting, P/D, a retry, a
+        body still coming, a failure) goes on from the decision in the coroutine path (`_rest`). Every
+        other request is declined (False) to `proxied`, which also answers the errors met before a
+        decision.
+        """
+        if request.method != "POST" or request.path not in _PROXIED:
+            return False
+        keys = self.config.api_keys
+        if keys and not _bearer_matches(request, keys):
+            return False
+        flight = _Flight(request_id_of(request))
+        try:
+            route, timeouts = self._route(request, flight)
+        except OpenAIError:
+            return False
+        if route.stream or not self.admission.try_acquire():
+            return False
+        try:
+            decision = self.picker.decide(route, self.registry.states())
+        except OpenAIError:
+            decision = None  # (proxied answers it)
+        except Exception:
+            self.admission.release()
+            flight.outcome.status = 500  # (the server answers it)
+            self._count(flight)
+            raise
+        if decision is None:
+            self.admission.release()
+            return False
+        self.metrics.decision(decision.profile, decision.target)
+
+        def answered(sent: Sent) -> None:
+            self._answered(conn, request, route, decision, timeouts, flight, sent)
+
+        sent = None
+        if not decision.prefill:
+            sent = self.proxy.send_now(
+                request.headers,
+                path=route.path,
+                body=request.body,
+                candidates=decision.candidates,
+                request_id=route.request_id,
+                timeouts=timeouts,
+                outcome=flight.outcome,
+                on_answer=answered,
+            )
+        if sent is None:  # (the decision is made: the coroutine path goes on from it)
+            conn.serve_rest(self._rest(conn, request, route, decision, timeouts, flight, None))
+        else:
+            conn.on_lost = sent.abort
+        return True
+
+    def _answered(
+        self,
+        conn: Connection,
+        request: Request,
+        route: RouteRequest,
+        decision: Decision,
+        timeouts: Timeouts,
+        flight: _Flight,
+        sent: Sent,
+    ) -> None:
+        """A direct request's answer (its headers) or failure came: relay it, or go on as a coroutine."""
+        conn.on_lost = None  # (from here on a client that leaves cancels the coroutine, or nothing is left)
+        try:
+            if conn.closed:
+                self.proxy.abandon(sent, flight.outcome)
+            elif not self.proxy.answer_now(conn, sent, route.request_id, flight.outcome):
+                conn.serve_rest(self._rest(conn, request, route, decision, timeouts, flight, sent))
+                return
+        except Exception:
+            sent.abort()
+            if not flight.outcome.status:
+                flight.outcome.status = 500
+            conn.failed()
+        self.admission.release()
+        self._count(flight)
+        conn.finish()
+
+    async def _rest(
+        self,
+        conn: Connection,
+        request: Request,
+        route: RouteRequest,
+        decision: Decision,
+        timeouts: Timeouts,
+        flight: _Flight,
+        sent: Sent | None,
+    ) -> Response | None:
+        """A direct request from its decision (or its first answer, ``sent``) on, as `proxied` goes on."""
+        try:
+            try:
+                await self._forward(conn, request, route, decision, timeouts, flight, sent)
+            finally:
+                self.admission.release()
+        except Exception as exc:
+            return self._failed(exc, conn, flight)
+        finally:
+            self._count(flight)
+        return None
+
+    def _route(self, request: Request, flight: _Flight) -> tuple[RouteRequest, Timeouts]:
+        """What the request asks for (refusals, bad JSON or an unknown model, raise OpenAIError)."""
+        route = parse_route(
+            request.path,
+            request.headers,
+            request.body,
+            flight.request_id,
+            self.registry,
+            self.config.session_headers,
+        )
+        timeouts = self.config.timeouts.overridden(request.headers)
+        if route.model in self.registry.models():
+            flight.model_label = route.model
+        return route, timeouts
+
+    async def _forward(
+        self,
+        conn: Connection,
+        request: Request,
+        route: RouteRequest,
+        decision: Decision,
+        timeouts: Timeouts,
+        flight: _Flight,
+        sent: Sent | None,
+    ) -> None:
+        body = request.body
+        if decision.prefill:
+            body = await self.prefill.decode_body(route, body, decision.prefill, request.headers, timeouts)
+        await self.proxy.forward(
+            conn,
+            request.headers,
+            path=route.path,
+            body=body,
+            candidates=decision.candidates,
+            stream=route.stream,
+            request_id=route.request_id,
+            timeouts=timeouts,
+            outcome=flight.outcome,
+            sent=sent,
+        )
+
+    def _failed(self, exc: Exception, conn: Connection, flight: _Flight) -> Response:
+        """The answer to a proxied request that failed with ``exc`` (raised again when nothing can be
+        answered: the response had started, or the failure is not the client's to read)."""
+        outcome = flight.outcome
+        if isinstance(exc, AdmissionRejected):
+            self.metrics.admission_rejections.labels(reason=exc.reason).inc()
+            err = errors.rate_limited(f"router is at capacity ({exc.reason}); retry later")
+            outcome.status = 429
+            return _error(err, [("Retry-After", exc.retry_after_header), ("x-request-id", flight.request_id)])
+        if isinstance(exc, OpenAIError):
+            outcome.status = exc.status
+            if conn.response_started:
+                raise exc
+            return _error(exc, [("x-request-id", flight.request_id)])
+        if not outcome.status and outcome.error != "client_disconnected":
+            outcome.status = 500  # what the server answers for it (a client that left counts as 499)
+        raise exc
+
+    def _count(self, flight: _Flight) -> None:
+        """A proxied request's metrics, once it ended."""
+        outcome = flight.outcome
+        self.metrics.request_done(flight.model_label, outcome.engine or "none", str(outcome.status or 499))
+        if outcome.first_byte_at is not None:
+            started = flight.started
+            self.metrics.observe_latency(
+                flight.model_label, outcome.first_byte_at - started, time.monotonic() - started
+            )
+
+
+class _Flight:
+    """A proxied request's bookkeeping for its metrics."""
+
+    __slots__ = ("model_label", "outcome", "request_id", "started")
+
+    def __init__(self, request_id: str) -> None:
+        self.started = time.monotonic()
+        self.request_id = request_id
+        self.outcome = Outcome()
+        self.model_label = "other"  # until the body names a served model: a client cannot grow the series
 
 
 async def _answered(response: Response) -> Response:

@@ -30,9 +30,16 @@ from typing import Literal
 import msgspec
 
 from kvstack.backoff import Backoff
-from kvstack.frontend.metrics import RouterMetrics
+from kvstack.engines.state import CircuitState
+from kvstack.frontend.metrics import InFlightGauge, RouterMetrics
 from kvstack.frontend.registry import EngineEntry, EngineRegistry
-from kvstack.http.client import ConnectTimedOut, UpstreamError, UpstreamPool, UpstreamResponse
+from kvstack.http.client import (
+    ConnectTimedOut,
+    UpstreamBroken,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from kvstack.http.server import Connection
 from kvstack.openai import errors
 from kvstack.openai.errors import OpenAIError
@@ -151,6 +158,30 @@ class Outcome:
     error: str | None = None
 
 
+class Sent:
+    """A request's first attempt, sent by `Proxy.send_now` with no coroutine; its answer's headers (or
+    ``error``) once ``on_answer`` is called."""
+
+    __slots__ = ("entry", "error", "gauge", "on_answer", "response", "started")
+
+    def __init__(self, entry: EngineEntry, started: float, on_answer: Callable[[Sent], None]) -> None:
+        self.entry = entry
+        self.started = started
+        self.on_answer = on_answer
+        self.response: UpstreamResponse | None = None
+        self.error: UpstreamError | None = None
+        self.gauge: InFlightGauge | None = None
+
+    def answered(self, response: UpstreamResponse, error: UpstreamError | None) -> None:
+        self.error = error
+        self.on_answer(self)
+
+    def abort(self) -> None:
+        """Close the request's connection: the engine stops, ``on_answer`` hears of it."""
+        if self.response is not None:
+            self.response.close()
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, response: UpstreamResponse | None = None, body: bytes = b"") -> None:
         super().__init__(reason)
@@ -195,18 +226,22 @@ class Proxy:
         timeouts: Timeouts,
         outcome: Outcome,
         method: str = "POST",
+        sent: Sent | None = None,
     ) -> None:
-        """Send ``body`` to the first candidate that answers; relay its response to ``conn``."""
-        started = self._clock()
+        """Send ``body`` to the first candidate that answers; relay its response to ``conn``. ``sent``: the
+        first attempt, already sent to ``candidates[0]`` (`send_now`), and its answer's headers."""
+        started = self._clock() if sent is None else sent.started
         deadline = started + timeouts.total
         headers = forward_headers(client_headers, request_id)
         last_error: _Retryable | None = None
+        sent_entry = None if sent is None else sent.entry
         tried = 0
         for url in candidates:
             if tried >= self.retry.max_attempts:
                 break
-            entry = self.registry.get(url)
-            if entry is None or not entry.breaker.allow():
+            # (the first attempt's engine when it was sent already: its circuit let it through, see send_now)
+            entry = sent.entry if sent is not None and not tried else self.registry.get(url)
+            if entry is None or (entry is not sent_entry and not entry.breaker.allow()):
                 continue
             if tried:
                 self.metrics.retries.labels(reason=last_error.reason if last_error else "unknown").inc()
@@ -214,9 +249,21 @@ class Proxy:
             tried += 1
             outcome.attempts = tried
             outcome.engine = url
+            first, sent = sent, None
             try:
                 return await self._attempt(
-                    conn, entry, method, path, body, headers, request_id, stream, timeouts, deadline, outcome
+                    conn,
+                    entry,
+                    method,
+                    path,
+                    body,
+                    headers,
+                    request_id,
+                    stream,
+                    timeouts,
+                    deadline,
+                    outcome,
+                    first,
                 )
             except _Retryable as exc:
                 if last_error is not None and last_error.response is not None:
@@ -264,15 +311,15 @@ class Proxy:
         timeouts: Timeouts,
         deadline: float,
         outcome: Outcome,
+        sent: Sent | None,
     ) -> None:
         state, breaker = entry.state, entry.breaker
         url = state.url
-        started = self._clock()
-        state.in_flight += 1
-        self.registry.publish_in_flight(entry)
-        self.registry.note_sent(state, started)
-        in_flight_gauge = self.metrics.engine_in_flight(url)
-        in_flight_gauge.set(state.in_flight)
+        if sent is None or sent.gauge is None:
+            started = self._clock()
+            in_flight_gauge = self._begin(entry, started)
+        else:
+            started, in_flight_gauge = sent.started, sent.gauge
         upstream: UpstreamResponse | None = None
         settled = False
 
@@ -287,15 +334,21 @@ class Proxy:
         try:
             bound, first_byte = timeouts.limit("first_byte", deadline - started)
             try:
-                upstream = await self.upstream.request(
-                    url,
-                    path,
-                    headers,
-                    body,
-                    connect_timeout=timeouts.connect,
-                    first_byte_timeout=first_byte,
-                    method=method,
-                )
+                if sent is not None and not _send_again(sent):
+                    if sent.error is not None:
+                        raise sent.error
+                    assert sent.response is not None  # (send_now sent it)
+                    upstream = sent.response
+                else:
+                    upstream = await self.upstream.request(
+                        url,
+                        path,
+                        headers,
+                        body,
+                        connect_timeout=timeouts.connect,
+                        first_byte_timeout=first_byte,
+                        method=method,
+                    )
             except TimeoutError:
                 settle(self._timeout_verdict(timeouts, bound))
                 raise _Retryable("first_byte_timeout") from None
@@ -318,11 +371,8 @@ class Proxy:
                 settle(None)  # client errors say nothing about the engine
             resp_headers = _response_headers(upstream, request_id, url)
             is_sse = upstream.content_type.startswith("text/event-stream")
-            length = upstream.content_length
 
-            if upstream.status in NO_BODY_STATUSES or (
-                not is_sse and length is not None and length <= WHOLE_BODY_MAX
-            ):
+            if _whole(upstream):
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
                 if upstream.complete:  # it came with the headers (small answers do): nothing to wait for
                     data = upstream.received()
@@ -383,13 +433,105 @@ class Proxy:
                 upstream.close()
             raise
         finally:
-            state.in_flight -= 1
-            self.registry.publish_in_flight(entry)
-            # Requests the last scrape saw have finished: the baseline of "sent since the scrape" drops too.
-            state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.total_in_flight)
-            in_flight_gauge.set(state.in_flight)
+            self._end(entry, in_flight_gauge)
             if upstream is not None:
                 upstream.release()
+
+    def _begin(self, entry: EngineEntry, started: float) -> InFlightGauge:
+        """An attempt on ``entry`` starts: count it in flight."""
+        state = entry.state
+        state.in_flight += 1
+        self.registry.publish_in_flight(entry)
+        self.registry.note_sent(state, started)
+        gauge = self.metrics.engine_in_flight(state.url)
+        gauge.set(state.in_flight)
+        return gauge
+
+    def _end(self, entry: EngineEntry, gauge: InFlightGauge) -> None:
+        state = entry.state
+        state.in_flight -= 1
+        self.registry.publish_in_flight(entry)
+        # Requests the last scrape saw have finished: the baseline of "sent since the scrape" drops too.
+        state.in_flight_at_scrape = min(state.in_flight_at_scrape, state.total_in_flight)
+        gauge.set(state.in_flight)
+
+    # -- a plain request's path without a coroutine ------------------------------------------------------
+    def send_now(
+        self,
+        client_headers: Mapping[str, str],
+        *,
+        path: str,
+        body: bytes,
+        candidates: list[str],
+        request_id: str,
+        timeouts: Timeouts,
+        outcome: Outcome,
+        on_answer: Callable[[Sent], None],
+    ) -> Sent | None:
+        """Send the first attempt at once, on an idle connection to ``candidates[0]``; None (nothing sent)
+        when that engine has none or its circuit is not closed: `forward` then. ``on_answer(sent)`` is
+        called once, when the answer's headers or a failure came: `answer_now` relays an answer that needs
+        nothing more, `forward` (``sent=``) goes on with anything else, `abandon` ends it for a client that
+        left."""
+        entry = self.registry.get(candidates[0])
+        if entry is None or entry.breaker.state is not CircuitState.CLOSED:
+            return None
+        started = self._clock()
+        sent = Sent(entry, started, on_answer)
+        _, first_byte = timeouts.limit("first_byte", timeouts.total)
+        response = self.upstream.send_now(
+            entry.state.url,
+            path,
+            forward_headers(client_headers, request_id),
+            body,
+            first_byte_timeout=first_byte,
+            on_answer=sent.answered,
+        )
+        if response is None:
+            return None
+        sent.response = response
+        sent.gauge = self._begin(entry, started)
+        outcome.attempts = 1
+        outcome.engine = entry.state.url
+        return sent
+
+    def answer_now(self, conn: Connection, sent: Sent, request_id: str, outcome: Outcome) -> bool:
+        """Relay ``sent``'s answer if it is whole and final: it came with its headers, sized, and its
+        status is not one to retry. False: nothing was done."""
+        upstream = sent.response
+        if sent.error is not None or upstream is None or not upstream.complete or sent.gauge is None:
+            return False
+        status = upstream.status
+        if status in RETRY_STATUSES or not _whole(upstream):
+            return False
+        entry = sent.entry
+        url = entry.state.url
+        outcome.status = status
+        outcome.first_byte_at = self._clock()
+        breaker = entry.breaker
+        try:
+            conn.send(status, _response_headers(upstream, request_id, url), upstream.received())
+        except ConnectionResetError:
+            outcome.error = "client_disconnected"
+            breaker.settle(None)
+            upstream.close()
+        else:
+            # (a server error is the engine's failure; a client error says nothing about it)
+            breaker.settle(False if status >= 500 else (None if status >= 400 else True))
+            upstream.release()
+        self.metrics.set_circuit(url, breaker.state)
+        self._end(entry, sent.gauge)
+        return True
+
+    def abandon(self, sent: Sent, outcome: Outcome) -> None:
+        """The client left before ``sent``'s answer was relayed: stop the engine, count nothing against it."""
+        outcome.error = "client_disconnected"
+        sent.abort()
+        entry = sent.entry
+        entry.breaker.settle(None)
+        self.metrics.set_circuit(entry.state.url, entry.breaker.state)
+        if sent.gauge is not None:
+            self._end(entry, sent.gauge)
 
     def _timeout_verdict(self, timeouts: Timeouts, bound: Bound) -> bool | None:
         """For the breaker: a timeout is the engine's failure only at the router's own limit."""
@@ -539,6 +681,26 @@ class Proxy:
                 conn.abort()  # past the deadline with bytes the client has not taken: it stopped reading
                 return
         conn.end()
+
+
+def _whole(upstream: UpstreamResponse) -> bool:
+    """Whether an answer is relayed in one piece with its length: no body, or a sized one that is not a
+    stream and at most ``WHOLE_BODY_MAX``."""
+    if upstream.status in NO_BODY_STATUSES:
+        return True
+    length = upstream.content_length
+    return (
+        length is not None
+        and length <= WHOLE_BODY_MAX
+        and not upstream.content_type.startswith("text/event-stream")
+    )
+
+
+def _send_again(sent: Sent) -> bool:
+    """A first attempt that failed before the engine sent anything, on an idle connection the engine had
+    closed: the request is sent again on a new one (as `UpstreamPool.request` does for its own)."""
+    error, response = sent.error, sent.response
+    return isinstance(error, UpstreamBroken) and response is not None and response.unanswered
 
 
 class _WholeEvents:
