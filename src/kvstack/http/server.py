@@ -3,7 +3,10 @@
 A request is parsed straight into a `Request` (method, path, query string, headers, the whole body) and
 handed to one handler coroutine per request, run by the connection's one task; the handler either returns
 a `Response` (sent with its length in one write) or streams through the connection (`start`, `write`,
-`end`: chunked encoding). Why not aiohttp's server: docs/design/router-request-path.md.
+`end`: chunked encoding). A server with a ``direct`` callable offers it each request first (soon after it
+was read): it may answer from callbacks with no coroutine (then `Connection.finish`), hand the rest to
+`Connection.serve_rest`, or decline, and the handler gets the request; requests pipelined behind one the
+handler answers are the handler's too. Why not aiohttp's server: docs/design/router-request-path.md.
 
 Requests on one connection are answered in order, one handler at a time (keep-alive and pipelining, at
 most ``MAX_PIPELINED`` waiting). A request over a limit (``MAX_URL_BYTES``, ``MAX_HEADER_BYTES``,
