@@ -139,7 +139,7 @@ async def test_a_failing_direct_path_answers_500_and_closes(
 
 
 async def test_a_client_that_leaves_a_direct_request_is_told_once(directed: Directed) -> None:
-    reader, writer = await directed.open()
+    _, writer = await directed.open()
     writer.write(_post("/direct/slow?after=30"))
     await eventually(lambda: directed.taken == ["/direct/slow"])
     writer.close()
@@ -176,7 +176,7 @@ async def test_pipelined_direct_requests_that_are_never_read_cannot_grow_the_buf
         buffered = max(buffered, transport.get_write_buffer_size())
     assert buffered < 256 * 1024, buffered
     for _ in range(count):  # everything arrives, in order, once the client reads
-        status, headers, body = await _response(reader)
+        status, _, body = await _response(reader)
         assert status == 200 and body == b"direct " + piece
     assert len(directed.taken) == count
     assert directed.taken == [f"/direct/{i}" for i in range(count)]

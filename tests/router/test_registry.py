@@ -1,6 +1,6 @@
 """The router's engine registry as discovery, scrapes and admins change it: an engine whose connects never
-complete turns unhealthy, a drain survives a pod readiness flap, an admin removal ends a drain, and a
-removed engine's routing history is forgotten."""
+complete turns unhealthy, a drain survives a pod readiness flap, an admin removal ends a drain, a
+removed engine's routing history is forgotten, and the send times kept per engine stay bounded."""
 
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ from kubernetes_asyncio.client import ApiClient, Configuration
 
 from kvstack.backoff import Backoff
 from kvstack.engines.discovery import KubernetesDiscovery
-from kvstack.engines.state import Endpoint
+from kvstack.engines.state import RECENT_SENDS, Endpoint, EngineState
+from kvstack.frontend.registry import RECENT_SLACK, EngineRegistry
 from kvstack.router.server import RouterOptions, running_router, start_router
+from kvstack.scheduling.scorers.least_qps import LeastQPSScorer
 from support.fake_k8s import FakeKubeApi, make_pod
 from support.waiting import eventually
 
@@ -128,3 +130,21 @@ async def test_without_kv_events_a_removed_engines_history_is_forgotten() -> Non
         assert url not in router.locator.history.locations()
     finally:
         await router.stop()
+
+
+def test_send_times_stay_bounded_and_least_qps_counts_at_most_the_kept_ones() -> None:
+    state = EngineState(Endpoint("http://e:1"))
+    now = 1000.0
+    sizes = []
+    for _ in range(50_000):  # 5 kHz for 10 s: far more sends than are kept
+        now += 0.0002
+        EngineRegistry.note_sent(state, now)
+        sizes.append(len(state.recent_requests))
+    assert RECENT_SENDS <= max(sizes[RECENT_SENDS + RECENT_SLACK :]) <= RECENT_SENDS + RECENT_SLACK
+    assert min(sizes[RECENT_SENDS + RECENT_SLACK :]) >= RECENT_SENDS  # cut in batches, never below
+    assert state.recent_requests == sorted(state.recent_requests)
+    assert LeastQPSScorer().qps(state, now) == RECENT_SENDS / 10  # however many above the cap are kept
+    # A quiet engine keeps only its last window's.
+    for t in (now + 30, now + 45, now + 52):
+        EngineRegistry.note_sent(state, t)
+    assert state.recent_requests == [now + 45, now + 52]

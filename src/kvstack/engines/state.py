@@ -26,6 +26,10 @@ class CircuitState(enum.Enum):
     HALF_OPEN = "half_open"
 
 
+# Send times an engine's recent_requests keeps (at least) once it was sent more in its window.
+RECENT_SENDS = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class Endpoint:
     """An engine as discovery found it."""
@@ -79,7 +83,9 @@ class EngineState:
     in_flight: int = 0  # requests this router process has sent and not finished
     in_flight_peers: int = 0  # the same, summed over the other worker processes of the router
     in_flight_at_scrape: int = 0  # ``total_in_flight`` when the latest good scrape arrived
-    recent_requests: list[float] = field(default_factory=list)  # monotonic send times, bounded by the owner
+    # Monotonic send times, in order; the owner keeps at least the last RECENT_SENDS of them (and at most
+    # RECENT_SENDS + RECENT_SENDS // 8: dropped in batches).
+    recent_requests: list[float] = field(default_factory=list)
     knowledge: str = "none"  # where routing knowledge comes from: "kv-events", "approximate", "none"
 
     @property

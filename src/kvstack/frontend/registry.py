@@ -18,14 +18,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from kvstack.engines.state import Endpoint, EngineState
+from kvstack.engines.state import RECENT_SENDS, Endpoint, EngineState
 from kvstack.frontend.circuit import CircuitBreaker, CircuitConfig
 
 log = logging.getLogger(__name__)
 
-# Send times kept per engine for least-QPS scoring; older ones are dropped.
+# Send times kept per engine for least-QPS scoring; older ones are dropped, in batches of at least
+# RECENT_SLACK once there are more than RECENT_SENDS (a cut moves the list: not on every request).
 RECENT_WINDOW_S = 10.0
-RECENT_MAX = 4096
+RECENT_SLACK = RECENT_SENDS // 8
 
 
 class InFlightTable(Protocol):
@@ -152,10 +153,10 @@ class EngineRegistry:
 
     @staticmethod
     def note_sent(state: EngineState, now: float) -> None:
-        """Record a send time, keeping only the last window (and at most RECENT_MAX times)."""
+        """Record a send time, keeping the last window's (at least the last RECENT_SENDS of them)."""
         recent = state.recent_requests
         recent.append(now)
-        if now - recent[0] > RECENT_WINDOW_S or len(recent) > RECENT_MAX:
+        if len(recent) > RECENT_SENDS + RECENT_SLACK or now - recent[0] > RECENT_WINDOW_S + 1.0:
             # Times are appended in order, so the expired ones are a prefix.
-            cut = max(bisect.bisect_right(recent, now - RECENT_WINDOW_S), len(recent) - RECENT_MAX)
+            cut = max(bisect.bisect_right(recent, now - RECENT_WINDOW_S), len(recent) - RECENT_SENDS)
             del recent[:cut]

@@ -10,7 +10,7 @@ Parameters:
                                                   only 10 s
 
 Cost: O(candidates * log(sends kept)): the send times are sorted, so the window start is a bisection.
-Counts are capped by how many send times the router keeps per engine.
+Counts are capped at the send times the router keeps per engine (``RECENT_SENDS``).
 When to use: to balance request rate rather than load when requests are alike and engines are equal
 (benchmarks, uniform traffic); unlike queue or KV signals it needs no scrape, but it is blind to request
 size and to engine speed.
@@ -22,7 +22,7 @@ from bisect import bisect_right
 from collections.abc import Sequence
 from typing import ClassVar
 
-from kvstack.engines.state import EngineState
+from kvstack.engines.state import RECENT_SENDS, EngineState
 from kvstack.scheduling.interfaces import CycleState, SchedulingRequest, Scorer
 from kvstack.scheduling.params import Param
 from kvstack.scheduling.scorers.relative import lower_is_better
@@ -40,7 +40,8 @@ class LeastQPSScorer(Scorer):
 
     def qps(self, engine: EngineState, now: float) -> float:
         sent = engine.recent_requests
-        return (len(sent) - bisect_right(sent, now - self.window_seconds)) / self.window_seconds
+        count = min(len(sent) - bisect_right(sent, now - self.window_seconds), RECENT_SENDS)
+        return count / self.window_seconds
 
     def score(
         self, request: SchedulingRequest, state: CycleState, candidates: Sequence[EngineState]
