@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -119,39 +118,22 @@ async def test_a_client_that_leaves_a_direct_request_closes_the_engines_and_coun
 @asynccontextmanager
 async def scripted_engine(answers: list[bytes | None]) -> AsyncIterator[tuple[str, list[int]]]:
     """An engine answering its n-th POST with ``answers[n]`` (the last one from then on); None: close the
-    connection without an answer. Yields its URL and, per POST, the number of its connection."""
+    connection without an answer. Yields its URL and, per POST, the number of its connection (from 1)."""
     seen: list[int] = []
-    connections = 0
+    writers: list[asyncio.StreamWriter] = []
 
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        nonlocal connections
-        connections += 1
-        mine = connections
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                length = re.search(rb"content-length: *(\d+)", head, re.I)
-                await reader.readexactly(int(length.group(1)) if length else 0)
-                if head.startswith(b"GET"):
-                    writer.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n")
-                    continue
-                seen.append(mine)
-                answer = answers[min(len(seen), len(answers)) - 1]
-                if answer is None:
-                    writer.transport.abort()
-                    return
-                writer.write(answer)
-                await writer.drain()
-        except (asyncio.IncompleteReadError, ConnectionError):
-            pass
-        finally:
-            writer.close()
+    async def answer(writer: asyncio.StreamWriter) -> bool:
+        if not any(w is writer for w in writers):
+            writers.append(writer)
+        seen.append(next(i for i, w in enumerate(writers, 1) if w is writer))
+        reply = answers[min(len(seen), len(answers)) - 1]
+        if reply is None:
+            return False
+        writer.write(reply)
+        return True
 
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    try:
-        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", seen
-    finally:
-        server.close()
+    async with fake_engine(answer) as url:
+        yield url, seen
 
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'

@@ -273,21 +273,21 @@ class RouterApp:
             raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 
     async def proxied(self, request: Request, conn: Connection) -> Response | None:
-        flight = _Flight(request_id_of(request))
+        flight = _Flight(request, conn)
         try:
-            route, timeouts = self._route(request, flight)
+            self._route(flight)
             if not self.admission.try_acquire():  # (a coroutine per request spared when a slot is free)
                 await self.admission.acquire()
             try:
                 # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays
                 # stable.
-                decision = await self.picker.pick(route, self.registry.states())
+                decision = flight.decision = await self.picker.pick(flight.route, self.registry.states())
                 self.metrics.decision(decision.profile, decision.target)
-                await self._forward(conn, request, route, decision, timeouts, flight, None)
+                await self._forward(flight, None)
             finally:
                 self.admission.release()
         except Exception as exc:
-            return self._failed(exc, conn, flight)
+            return self._failed(exc, flight)
         finally:
             self._count(flight)
         return None
@@ -307,9 +307,9 @@ class RouterApp:
         keys = self.config.api_keys
         if keys and not _bearer_matches(request, keys):
             return False
-        flight = _Flight(request_id_of(request))
+        flight = _Flight(request, conn)
         try:
-            route, timeouts = self._route(request, flight)
+            route = self._route(flight)
         except OpenAIError:
             return False
         if route.stream or not self.admission.try_acquire():
@@ -326,10 +326,11 @@ class RouterApp:
         if decision is None:
             self.admission.release()
             return False
+        flight.decision = decision
         self.metrics.decision(decision.profile, decision.target)
 
         def answered(sent: Sent) -> None:
-            self._answered(conn, request, route, decision, timeouts, flight, sent)
+            self._answered(flight, sent)
 
         sent = None
         if not decision.prefill:
@@ -339,33 +340,25 @@ class RouterApp:
                 body=request.body,
                 candidates=decision.candidates,
                 request_id=route.request_id,
-                timeouts=timeouts,
+                timeouts=flight.timeouts,
                 outcome=flight.outcome,
                 on_answer=answered,
             )
         if sent is None:  # (the decision is made: the coroutine path goes on from it)
-            conn.serve_rest(self._rest(conn, request, route, decision, timeouts, flight, None))
+            conn.serve_rest(self._rest(flight, None))
         else:
             conn.on_lost = sent.abort
         return True
 
-    def _answered(
-        self,
-        conn: Connection,
-        request: Request,
-        route: RouteRequest,
-        decision: Decision,
-        timeouts: Timeouts,
-        flight: _Flight,
-        sent: Sent,
-    ) -> None:
+    def _answered(self, flight: _Flight, sent: Sent) -> None:
         """A direct request's answer (its headers) or failure came: relay it, or go on as a coroutine."""
+        conn = flight.conn
         conn.on_lost = None  # (from here on a client that leaves cancels the coroutine, or nothing is left)
         try:
             if conn.closed:
                 self.proxy.abandon(sent, flight.outcome)
-            elif not self.proxy.answer_now(conn, sent, route.request_id, flight.outcome):
-                conn.serve_rest(self._rest(conn, request, route, decision, timeouts, flight, sent))
+            elif not self.proxy.answer_now(conn, sent, flight.route.request_id, flight.outcome):
+                conn.serve_rest(self._rest(flight, sent))
                 return
         except Exception:
             sent.abort()
@@ -376,31 +369,24 @@ class RouterApp:
         self._count(flight)
         conn.finish()
 
-    async def _rest(
-        self,
-        conn: Connection,
-        request: Request,
-        route: RouteRequest,
-        decision: Decision,
-        timeouts: Timeouts,
-        flight: _Flight,
-        sent: Sent | None,
-    ) -> Response | None:
+    async def _rest(self, flight: _Flight, sent: Sent | None) -> Response | None:
         """A direct request from its decision (or its first answer, ``sent``) on, as `proxied` goes on."""
         try:
             try:
-                await self._forward(conn, request, route, decision, timeouts, flight, sent)
+                await self._forward(flight, sent)
             finally:
                 self.admission.release()
         except Exception as exc:
-            return self._failed(exc, conn, flight)
+            return self._failed(exc, flight)
         finally:
             self._count(flight)
         return None
 
-    def _route(self, request: Request, flight: _Flight) -> tuple[RouteRequest, Timeouts]:
-        """What the request asks for (refusals, bad JSON or an unknown model, raise OpenAIError)."""
-        route = parse_route(
+    def _route(self, flight: _Flight) -> RouteRequest:
+        """What the request asks for, and its timeouts (refusals, bad JSON or an unknown model, raise
+        OpenAIError)."""
+        request = flight.request
+        route = flight.route = parse_route(
             request.path,
             request.headers,
             request.body,
@@ -408,38 +394,32 @@ class RouterApp:
             self.registry,
             self.config.session_headers,
         )
-        timeouts = self.config.timeouts.overridden(request.headers)
+        flight.timeouts = self.config.timeouts.overridden(request.headers)
         if route.model in self.registry.models():
             flight.model_label = route.model
-        return route, timeouts
+        return route
 
-    async def _forward(
-        self,
-        conn: Connection,
-        request: Request,
-        route: RouteRequest,
-        decision: Decision,
-        timeouts: Timeouts,
-        flight: _Flight,
-        sent: Sent | None,
-    ) -> None:
+    async def _forward(self, flight: _Flight, sent: Sent | None) -> None:
+        request, route, decision = flight.request, flight.route, flight.decision
         body = request.body
         if decision.prefill:
-            body = await self.prefill.decode_body(route, body, decision.prefill, request.headers, timeouts)
+            body = await self.prefill.decode_body(
+                route, body, decision.prefill, request.headers, flight.timeouts
+            )
         await self.proxy.forward(
-            conn,
+            flight.conn,
             request.headers,
             path=route.path,
             body=body,
             candidates=decision.candidates,
             stream=route.stream,
             request_id=route.request_id,
-            timeouts=timeouts,
+            timeouts=flight.timeouts,
             outcome=flight.outcome,
             sent=sent,
         )
 
-    def _failed(self, exc: Exception, conn: Connection, flight: _Flight) -> Response:
+    def _failed(self, exc: Exception, flight: _Flight) -> Response:
         """The answer to a proxied request that failed with ``exc`` (raised again when nothing can be
         answered: the response had started, or the failure is not the client's to read)."""
         outcome = flight.outcome
@@ -450,7 +430,7 @@ class RouterApp:
             return _error(err, [("Retry-After", exc.retry_after_header), ("x-request-id", flight.request_id)])
         if isinstance(exc, OpenAIError):
             outcome.status = exc.status
-            if conn.response_started:
+            if flight.conn.response_started:
                 raise exc
             return _error(exc, [("x-request-id", flight.request_id)])
         if not outcome.status and outcome.error != "client_disconnected":
@@ -469,13 +449,29 @@ class RouterApp:
 
 
 class _Flight:
-    """A proxied request's bookkeeping for its metrics."""
+    """A proxied request on its way: what it asks for, where it goes, and its bookkeeping for metrics.
+    (``route`` and ``timeouts`` are set once it is parsed, ``decision`` once it is routed.)"""
 
-    __slots__ = ("model_label", "outcome", "request_id", "started")
+    __slots__ = (
+        "conn",
+        "decision",
+        "model_label",
+        "outcome",
+        "request",
+        "request_id",
+        "route",
+        "started",
+        "timeouts",
+    )
+    route: RouteRequest
+    timeouts: Timeouts
+    decision: Decision
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request: Request, conn: Connection) -> None:
         self.started = time.monotonic()
-        self.request_id = request_id
+        self.request = request
+        self.conn = conn
+        self.request_id = request_id_of(request)
         self.outcome = Outcome()
         self.model_label = "other"  # until the body names a served model: a client cannot grow the series
 
