@@ -316,6 +316,10 @@ class RouterApp:
             return False
         try:
             decision = self.picker.decide(route, self.registry.states())
+            if decision is not None:
+                flight.decision = decision
+                self.metrics.decision(decision.profile, decision.target)
+                sent = None if decision.prefill else self._send_now(flight)
         except OpenAIError:
             decision = None  # (proxied answers it)
         except Exception:
@@ -326,29 +330,29 @@ class RouterApp:
         if decision is None:
             self.admission.release()
             return False
-        flight.decision = decision
-        self.metrics.decision(decision.profile, decision.target)
-
-        def answered(sent: Sent) -> None:
-            self._answered(flight, sent)
-
-        sent = None
-        if not decision.prefill:
-            sent = self.proxy.send_now(
-                request.headers,
-                path=route.path,
-                body=request.body,
-                candidates=decision.candidates,
-                request_id=route.request_id,
-                timeouts=flight.timeouts,
-                outcome=flight.outcome,
-                on_answer=answered,
-            )
         if sent is None:  # (the decision is made: the coroutine path goes on from it)
             conn.serve_rest(self._rest(flight, None))
         else:
             conn.on_lost = sent.abort
         return True
+
+    def _send_now(self, flight: _Flight) -> Sent | None:
+        """A direct request's first attempt, sent at once (None: no idle connection to its engine)."""
+        route = flight.route
+
+        def answered(sent: Sent) -> None:
+            self._answered(flight, sent)
+
+        return self.proxy.send_now(
+            flight.request.headers,
+            path=route.path,
+            body=flight.request.body,
+            candidates=flight.decision.candidates,
+            request_id=route.request_id,
+            timeouts=flight.timeouts,
+            outcome=flight.outcome,
+            on_answer=answered,
+        )
 
     def _answered(self, flight: _Flight, sent: Sent) -> None:
         """A direct request's answer (its headers) or failure came: relay it, or go on as a coroutine."""
