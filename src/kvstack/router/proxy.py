@@ -11,6 +11,8 @@
   the last engine answer is passed on (as OpenAI error JSON if it is not JSON), or a 502/504.
 - The circuit breaker hears every outcome except client errors (4xx), client disconnects and timeouts the
   client caused (a shorter timeout header, a deadline missed waiting for the client).
+- A plain request's first attempt may be sent and, when its answer comes whole, relayed with no coroutine
+  (`send_now`, `answer_now`); anything else about it goes on in `forward` from that attempt.
 - A client that goes away closes the upstream connection, which is how vLLM learns to abort. After bytes
   were sent, an upstream failure ends a stream with an SSE error event and ``data: [DONE]``, a plain body
   short. Never a hang: the idle timeout bounds every wait for the engine, the deadline every wait for the
@@ -234,15 +236,17 @@ class Proxy:
         deadline = started + timeouts.total
         headers = forward_headers(client_headers, request_id)
         last_error: _Retryable | None = None
-        sent_entry = None if sent is None else sent.entry
         tried = 0
         for url in candidates:
             if tried >= self.retry.max_attempts:
                 break
-            # (the first attempt's engine when it was sent already: its circuit let it through, see send_now)
-            entry = sent.entry if sent is not None and not tried else self.registry.get(url)
-            if entry is None or (entry is not sent_entry and not entry.breaker.allow()):
-                continue
+            entry: EngineEntry | None
+            if sent is not None and not tried:
+                entry = sent.entry  # (sent already: its circuit let it through, see send_now)
+            else:
+                entry = self.registry.get(url)
+                if entry is None or not entry.breaker.allow():
+                    continue
             if tried:
                 self.metrics.retries.labels(reason=last_error.reason if last_error else "unknown").inc()
                 await asyncio.sleep(self._backoff.delay(tried - 1, self._rng))
