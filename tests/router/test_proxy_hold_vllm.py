@@ -15,7 +15,7 @@ import pytest
 
 import openai
 from kvstack.router.server import RunningRouter
-from support.end_to_end import routing_to
+from support.end_to_end import in_flight, routing_to
 from support.engines import EngineProcess, require_vllm, start_vllm
 from support.metrics import counter_totals, sample_sum
 from support.pd import FixedDecision
@@ -69,11 +69,12 @@ async def stream(router: RunningRouter, seen: Seen) -> None:
         await client.close()
 
 
-async def waiting(http: aiohttp.ClientSession, url: str) -> bool:
+async def waiting(http: aiohttp.ClientSession, url: str, last: dict[str, float]) -> bool:
     async with http.get(f"{url}/metrics") as r:
         text = await r.text()
-    queued, running = (sample_sum(text, f"vllm:num_requests_{state}") for state in ("waiting", "running"))
-    return queued >= 1 and running >= 1
+    for state in ("waiting", "running"):
+        last[state] = sample_sum(text, f"vllm:num_requests_{state}")
+    return last["waiting"] >= 1 and last["running"] >= 1
 
 
 async def test_streams_without_content_on_a_killed_vllm_finish_on_the_other(
@@ -83,7 +84,13 @@ async def test_streams_without_content_on_a_killed_vllm_finish_on_the_other(
         router.app.picker = FixedDecision([victim.url, vllm_engine.url])  # every stream to the victim first
         seen = [Seen() for _ in range(STREAMS)]
         tasks = [asyncio.create_task(stream(router, s)) for s in seen]
-        await eventually(lambda: waiting(http, victim.url), what="streams queued on the victim", timeout_s=30)
+        last: dict[str, float] = {}
+        try:
+            await eventually(lambda: waiting(http, victim.url, last), what="streams queued", timeout_s=60)
+        except AssertionError as exc:  # (what the router and the victim saw, for a failure's reader)
+            raise AssertionError(
+                f"{exc}; victim's last requests {last}, router {in_flight(router)}, {seen}"
+            ) from None
         kill_group(victim.proc)
         await asyncio.wait_for(asyncio.gather(*tasks), 90)
         async with http.get(f"{router.url}/metrics") as r:
