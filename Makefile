@@ -7,7 +7,9 @@ VLLM_VERSION := 0.32.0
 TINY_MODEL := .cache/tiny-model
 PYTEST_ARGS ?=
 
-.PHONY: run test dev vllm lint typecheck unit clean system-deps
+COMPILED := .cache/compiled
+
+.PHONY: run test dev vllm lint typecheck unit compiled clean system-deps
 
 # Debian packages the tests use; installed only when missing.
 SYSTEM_PACKAGES := redis-server prometheus
@@ -17,10 +19,11 @@ system-deps:
 	if [ -n "$$missing" ]; then echo "installing Debian packages:$$missing"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing; fi
 
-$(DEV)/.installed: pyproject.toml
+# The editable install is pure Python (KVSTACK_COMPILE=0, setup.py): the module edited is the module run.
+$(DEV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(DEV)
-	$(DEV)/bin/pip install -q --upgrade pip
-	$(DEV)/bin/pip install -q -e '.[dev]'
+	$(DEV)/bin/pip install -q --upgrade pip 'setuptools>=77' wheel
+	KVSTACK_COMPILE=0 $(DEV)/bin/pip install -q -e '.[dev]'
 	touch $@
 
 dev: $(DEV)/.installed
@@ -37,13 +40,24 @@ $(VLLM)/.installed:
 
 # kvstack.connector runs inside vLLM: kvstack goes into vLLM's virtualenv without its server dependencies
 # (the connector imports only the cache client, keys and protocol: pyzmq, msgspec and blake3 come with vLLM).
-$(VLLM)/.kvstack: $(VLLM)/.installed pyproject.toml
-	$(VLLM)/bin/pip install -q --no-deps -e .
+$(VLLM)/.kvstack: $(VLLM)/.installed pyproject.toml setup.py
+	KVSTACK_COMPILE=0 $(VLLM)/bin/pip install -q --no-deps -e .
 	$(VLLM)/bin/pip install -q 'xxhash>=3.4'
 	$(VLLM)/bin/python -c "import kvstack.connector"
 	touch $@
 
 vllm: $(VLLM)/.installed $(VLLM)/.kvstack
+
+# kvstack as `pip install .` builds it (the request path compiled with mypyc, setup.py), unpacked: `make test`
+# and the benchmarks run it with PYTHONPATH=$(COMPILED).
+$(COMPILED)/.built: $(DEV)/.installed setup.py $(shell find src -name '*.py')
+	rm -rf $(COMPILED) $(COMPILED)-wheel build
+	$(DEV)/bin/pip wheel -q --no-deps --no-build-isolation -w $(COMPILED)-wheel .
+	$(DEV)/bin/python -m zipfile -e $(COMPILED)-wheel/kvstack-*.whl $(COMPILED)
+	rm -rf $(COMPILED)-wheel build
+	touch $@
+
+compiled: $(COMPILED)/.built
 
 # A local stack: 2 simulated engines (the tiny model's tokenizer) behind the router on :8080.
 run: dev
@@ -63,9 +77,13 @@ typecheck: dev
 unit: dev
 	$(DEV)/bin/pytest -q -ra -m "not vllm and not redis and not slow" $(PYTEST_ARGS)
 
-test: system-deps dev vllm lint typecheck
+# Every test on the compiled build (what `pip install .` ships), then the quick ones on the sources (the
+# editable install: what `make unit` runs).
+test: system-deps dev vllm lint typecheck compiled
+	KVSTACK_EXPECT_COMPILED=1 PYTHONPATH=$(CURDIR)/$(COMPILED) \
 	KVSTACK_VLLM_PYTHON=$(CURDIR)/$(VLLM)/bin/python KVSTACK_REQUIRE_VLLM=1 KVSTACK_REQUIRE_ENVOY=1 KVSTACK_REQUIRE_PROMETHEUS=1 KVSTACK_REQUIRE_KUBECTL=1 \
 	  $(DEV)/bin/pytest -q -ra $(PYTEST_ARGS)
+	$(DEV)/bin/pytest -q -ra -m "not vllm and not redis and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf .venvs .cache

@@ -26,9 +26,20 @@ from machine_info import process_cpu_seconds
 REPO = Path(__file__).resolve().parents[1]
 DEV_BIN = REPO / ".venvs" / "dev" / "bin"
 KVSTACK = DEV_BIN / "kvstack"
+# kvstack as `pip install .` builds it, request path compiled (`make compiled`); the dev install: sources.
+COMPILED = REPO / ".cache" / "compiled"
 HOST = "127.0.0.1"
 # Peer routers get no model or tokenizer path; these keep any Hugging Face client offline all the same.
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+
+def kvstack_build_env(build: str) -> dict[str, str]:
+    """The environment that makes ``KVSTACK`` run ``build``: "compiled" (the shipped build) or "source"."""
+    if build == "source":
+        return {}
+    if not (COMPILED / ".built").exists():
+        raise SystemExit(f"{COMPILED} not found: run `make compiled` first (or pass --build source)")
+    return {"PYTHONPATH": str(COMPILED)}
 
 
 def free_port() -> int:

@@ -37,7 +37,7 @@ from typing import Any
 
 from machine_info import machine
 from peers import ensure_peers, ensure_wrk
-from procs import DEV_BIN, KVSTACK, REPO, Group
+from procs import DEV_BIN, KVSTACK, REPO, Group, kvstack_build_env
 from results import write_json
 from rich.console import Console
 from router_overhead_envoy import envoy_target, envoy_version, picker_transport
@@ -87,6 +87,7 @@ def run(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> None
 
     targets: list[Target | None] = [None, *chosen_targets(args, console)]
     out["target_keys"] = [t.key for t in targets if t is not None]
+    out["kvstack_build"] = args.build
     if any(t is not None and t.processes for t in targets):
         out["envoy"] = {"version": envoy_version(), "epp_transport": args.epp_transport}
 
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace, console: Console, out: dict[str, Any]) -> None
                 stream_every=args.rss_stream_every,
                 budget_s=min(args.rss_budget, time_left() - 25),
                 console=console,
+                env=args.build_env,
             )
         elif args.rss_requests:
             out["skipped"].append("rss")
@@ -137,8 +139,8 @@ def chosen_targets(args: argparse.Namespace, console: Console) -> list[Target]:
     """The targets ``--targets`` names (default: every one the other flags allow), in run order; the peers
     are installed only when one of them is chosen."""
     makers: dict[str, Callable[[Path], Target]] = {
-        "kvstack": lambda _: kvstack_target(None),
-        f"kvstack-x{args.workers}": lambda _: kvstack_target(args.workers),
+        "kvstack": lambda _: kvstack_target(None, args.build_env),
+        f"kvstack-x{args.workers}": lambda _: kvstack_target(args.workers, args.build_env),
     }
     if not args.skip_peers:
         makers["vllm-router"] = lambda peers: vllm_router_target(peers, None)
@@ -199,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="kvstack epp --transport of the Envoy targets (default: kvstack epp's default)",
     )
+    parser.add_argument(
+        "--build",
+        choices=["compiled", "source"],
+        default="compiled",
+        help="the kvstack router run: as `pip install .` builds it (default, `make compiled`) or the sources",
+    )
     parser.add_argument("--backend-procs", type=int, default=2, help="backend_zero processes (SO_REUSEPORT)")
     parser.add_argument("--rate", type=float, default=500.0, help="offered req/s of the low-load plain runs")
     parser.add_argument("--stream-rate", type=float, default=100.0, help="offered req/s of low-load streams")
@@ -218,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.results = args.results.resolve()
     args.epp_transport = picker_transport(args.epp_transport)
+    args.build_env = kvstack_build_env(args.build)
     if args.quick:
         args.low_duration, args.max_duration, args.warmup = 4.0, 3.0, 1.0
         args.rss_requests, args.rss_warmup, args.rss_budget = 20_000, 2_000, 60.0

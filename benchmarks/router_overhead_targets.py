@@ -53,16 +53,16 @@ class Target:
         return self.name.replace(" ", "-")
 
 
-def kvstack_target(workers: int | None) -> Target:
+def kvstack_target(workers: int | None, env: dict[str, str]) -> Target:
     """kvstack router with its defaults (``workers`` None: ``--workers auto``, one per usable core) or
-    ``--workers W``."""
+    ``--workers W``; ``env`` picks the build (procs.kvstack_build_env)."""
 
     def start(backend: str, logs: Path) -> tuple[Group, str]:
         port = free_port()
         args = ["router", "--port", str(port), "--engine", backend, "--log-level", "warning"]
         cmds = [[str(KVSTACK), *args, *([] if workers is None else ["--workers", str(workers)])]]
         name = "kvstack" if workers is None else f"kvstack-x{workers}"
-        return Group.start(name, cmds, logs / f"{name}.log"), f"http://{HOST}:{port}"
+        return Group.start(name, cmds, logs / f"{name}.log", env), f"http://{HOST}:{port}"
 
     if workers is None:
         cores = len(os.sched_getaffinity(0))
@@ -116,9 +116,10 @@ def rss_soak(
     stream_every: int,
     budget_s: float,
     console: Console,
+    env: dict[str, str],
 ) -> dict[str, Any]:
     """A fresh one-process kvstack router under wrk -c 64 until ``requests`` reached it; RSS sampled."""
-    group, url = kvstack_target(1).start(backend_url, logs)  # one process: its RSS
+    group, url = kvstack_target(1, env).start(backend_url, logs)  # one process: its RSS
     out: dict[str, Any] = {"command": shlex.join(group.cmds[0]), "samples": []}
     wrk_proc: subprocess.Popen[bytes] | None = None
     try:

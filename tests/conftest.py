@@ -2,11 +2,14 @@
 
 Real-vLLM tests are marked ``vllm`` and are part of `make test`; `make unit` leaves them out. Without the
 vLLM virtualenv they skip with the reason, unless KVSTACK_REQUIRE_VLLM=1 (as `make test` and CI set it), in
-which case they fail (``support.engines.require_vllm``).
+which case they fail (``support.engines.require_vllm``). With KVSTACK_EXPECT_COMPILED=1 (`make test`'s pass on
+the compiled build) the session stops at once unless the request path imported is the compiled one.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -15,6 +18,14 @@ import zmq.asyncio
 
 from kvstack.devtools.tiny_model import make_tiny_model
 from support.engines import EngineProcess, require_vllm, start_sim, start_vllm
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("KVSTACK_EXPECT_COMPILED") == "1":
+        for name in ("kvstack.http.server", "kvstack.router.proxy", "kvstack.router.app"):
+            where = importlib.import_module(name).__file__ or ""
+            if not where.endswith(".so"):
+                raise pytest.UsageError(f"KVSTACK_EXPECT_COMPILED=1 but {name} is {where}: `make compiled`")
 
 
 @pytest.fixture(scope="session")

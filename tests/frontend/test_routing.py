@@ -7,6 +7,8 @@ import re
 
 import pytest
 
+from kvstack.engines.state import Endpoint
+from kvstack.frontend.registry import EngineRegistry
 from kvstack.frontend.routing import REQUEST_ID_MAX, parse_route, request_id
 from kvstack.openai.errors import OpenAIError
 
@@ -32,14 +34,11 @@ def test_a_new_id_is_the_generators_next_96_bits_zero_padded() -> None:
         random.setstate(state)
 
 
-class _Registry:
-    """The registry as parse_route reads it: one served model, every engine's models known."""
-
-    def models(self) -> frozenset[str]:
-        return frozenset({"m"})
-
-    def all_models_known(self) -> bool:
-        return True
+def _registry() -> EngineRegistry:
+    """One engine serving model "m"."""
+    registry = EngineRegistry()
+    registry.upsert(Endpoint("http://127.0.0.1:1", models=frozenset({"m"})))
+    return registry
 
 
 @pytest.mark.parametrize(
@@ -48,12 +47,12 @@ class _Registry:
 )
 def test_json_bodies_are_parsed_whatever_the_content_type_spelling(content_type: str | None) -> None:
     headers = {} if content_type is None else {"content-type": content_type}
-    route = parse_route("/v1/completions", headers, b'{"model":"m"}', "rid", _Registry())  # type: ignore[arg-type]
+    route = parse_route("/v1/completions", headers, b'{"model":"m"}', "rid", _registry())
     assert route.model == "m" and route.request_id == "rid"
 
 
 @pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded; charset=utf-8"])
 def test_other_media_types_are_refused(content_type: str) -> None:
     with pytest.raises(OpenAIError) as refused:
-        parse_route("/v1/completions", {"content-type": content_type}, b"{}", "rid", _Registry())  # type: ignore[arg-type]
+        parse_route("/v1/completions", {"content-type": content_type}, b"{}", "rid", _registry())
     assert refused.value.status == 400 and "Unsupported Media Type" in str(refused.value)  # as vLLM answers

@@ -14,7 +14,8 @@ import pytest
 from multidict import CIMultiDict, CIMultiDictProxy
 
 import openai
-from kvstack.engines.state import Endpoint
+from kvstack.engines.state import Endpoint, EngineState
+from kvstack.frontend.routing import Decision, RouteRequest
 from kvstack.router.app import RouterConfig
 from kvstack.router.proxy import forward_headers
 from kvstack.sim.cluster import RunningEngine
@@ -135,15 +136,22 @@ async def test_bad_input_gets_openai_error_json(
     assert model == (MODEL if engine_side else "other")  # a refused body's model is never a label
 
 
+class BrokenPicker:
+    """A picker with a bug."""
+
+    async def pick(self, route: RouteRequest, states: list[EngineState]) -> Decision:
+        raise RuntimeError("scheduler bug")
+
+    def decide(self, route: RouteRequest, states: list[EngineState]) -> Decision | None:
+        raise RuntimeError("scheduler bug")
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["plain", "stream"])
 async def test_a_router_bug_answers_500_and_is_counted_as_500(
     stack: Stack, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, stream: bool
 ) -> None:
-    def broken(*_: object) -> None:
-        raise RuntimeError("scheduler bug")
-
     # (plain requests are picked without a coroutine, streams with one: both meet the bug)
-    monkeypatch.setattr(stack.router.app.picker, "scheduler_for", broken)
+    monkeypatch.setattr(stack.router.app, "picker", BrokenPicker())
     body = {"model": MODEL, "prompt": "x", "stream": stream}
     async with stack.http.post(f"{stack.url}/v1/completions", json=body) as r:
         assert r.status == 500

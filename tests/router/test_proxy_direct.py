@@ -17,7 +17,7 @@ import pytest
 
 from kvstack.engines.state import Endpoint
 from kvstack.router.app import RouterConfig
-from kvstack.router.proxy import Proxy, Sent, Timeouts
+from kvstack.router.proxy import Proxy, Timeouts
 from support.metrics import counter_totals, sample_sum
 from support.routers import FAST, MODEL, Stack, fake_engine, in_flight, router_for, set_faults, wait_models
 from support.waiting import eventually
@@ -28,24 +28,19 @@ BODY = {"model": MODEL, "prompt": "direct", "max_tokens": 2}
 
 
 class Spy:
-    """What the direct path did: answers relayed from a callback, and first attempts handed on."""
+    """What the direct path did from now on: answers relayed from a callback, first attempts handed on."""
 
-    def __init__(self, proxy: Proxy, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.relayed = 0
-        self.handed_on = 0
-        answer_now, forward = proxy.answer_now, proxy.forward
+    def __init__(self, proxy: Proxy) -> None:
+        self.proxy = proxy
+        self._relayed, self._handed_on = proxy.answered_now, proxy.handed_on
 
-        def counting_answer(*args: Any, **kwargs: Any) -> bool:
-            done = answer_now(*args, **kwargs)
-            self.relayed += done
-            return done
+    @property
+    def relayed(self) -> int:
+        return self.proxy.answered_now - self._relayed
 
-        async def counting_forward(*args: Any, sent: Sent | None = None, **kwargs: Any) -> None:
-            self.handed_on += sent is not None
-            await forward(*args, sent=sent, **kwargs)
-
-        monkeypatch.setattr(proxy, "answer_now", counting_answer)
-        monkeypatch.setattr(proxy, "forward", counting_forward)
+    @property
+    def handed_on(self) -> int:
+        return self.proxy.handed_on - self._handed_on
 
 
 async def requests_counted(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
@@ -62,26 +57,21 @@ async def _post(http: aiohttp.ClientSession, url: str, **kwargs: Any) -> tuple[i
 
 
 @pytest.mark.routing("round-robin")
-async def test_plain_requests_on_idle_connections_are_relayed_from_callbacks(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spy = Spy(stack.router.app.proxy, monkeypatch)
+async def test_plain_requests_on_idle_connections_are_relayed_from_callbacks(stack: Stack) -> None:
     for _ in range(2):  # a connection to each engine, then idle
         assert (await _post(stack.http, stack.url))[0] == 200
-    relayed_before = spy.relayed
+    spy = Spy(stack.router.app.proxy)
     for i in range(10):
         status, body, headers = await _post(stack.http, stack.url, headers={"x-request-id": f"d-{i}"})
         assert status == 200 and json.loads(body)["choices"] and headers["x-request-id"] == f"d-{i}"
-    assert spy.relayed - relayed_before == 10 and spy.handed_on == 0
+    assert spy.relayed == 10 and spy.handed_on == 0
     assert await requests_counted(stack.http, stack.url) == {"200": 12.0}
     assert await in_flight(stack.http, stack.router) == 0
 
 
 @pytest.mark.routing("round-robin")
-async def test_a_refusal_on_the_direct_path_is_retried_on_the_other_engine(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spy = Spy(stack.router.app.proxy, monkeypatch)
+async def test_a_refusal_on_the_direct_path_is_retried_on_the_other_engine(stack: Stack) -> None:
+    spy = Spy(stack.router.app.proxy)
     for _ in range(2):
         assert (await _post(stack.http, stack.url))[0] == 200
     await set_faults(stack, 0, error_rate=1.0, error_codes=[503])
@@ -93,10 +83,8 @@ async def test_a_refusal_on_the_direct_path_is_retried_on_the_other_engine(
     assert counter_totals(text, "kvstack_router_retries", "reason") == {("status_503",): spy.handed_on}
 
 
-async def test_a_client_that_leaves_a_direct_request_closes_the_engines_and_counts_499(
-    stack: Stack, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    spy = Spy(stack.router.app.proxy, monkeypatch)
+async def test_a_client_that_leaves_a_direct_request_closes_the_engines_and_counts_499(stack: Stack) -> None:
+    spy = Spy(stack.router.app.proxy)
     for _ in range(4):
         assert (await _post(stack.http, stack.url))[0] == 200
     for i in range(2):
@@ -139,14 +127,12 @@ async def scripted_engine(answers: list[bytes | None]) -> AsyncIterator[tuple[st
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
 
-async def test_an_idle_connection_the_engine_closed_is_replaced_not_retried(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+async def test_an_idle_connection_the_engine_closed_is_replaced_not_retried() -> None:
     # POST 2 arrives on the kept-alive connection and the engine drops it unanswered (as one that timed the
     # connection out as the request came): sent again on a new connection, same engine, no retry counted.
     async with scripted_engine([OK, None, OK]) as (url, seen):
         router = await router_for(Endpoint(url, models=frozenset({MODEL})), app=RouterConfig(timeouts=FAST))
-        spy = Spy(router.app.proxy, monkeypatch)
+        spy = Spy(router.app.proxy)
         try:
             async with aiohttp.ClientSession() as http:
                 for _ in range(3):
@@ -177,11 +163,11 @@ CHUNKED_JSON = _chunked(b"application/json", b'{"ok"', b":true}")
     ids=["event-stream", "chunked-json"],
 )
 async def test_an_answer_without_a_length_is_relayed_by_the_coroutine_path(
-    monkeypatch: pytest.MonkeyPatch, answer: bytes, body: bytes
+    answer: bytes, body: bytes
 ) -> None:
     async with scripted_engine([OK, answer]) as (url, seen):
         router = await router_for(Endpoint(url, models=frozenset({MODEL})), app=RouterConfig(timeouts=FAST))
-        spy = Spy(router.app.proxy, monkeypatch)
+        spy = Spy(router.app.proxy)
         try:
             async with aiohttp.ClientSession() as http:
                 assert (await _post(http, router.url))[0] == 200

@@ -549,15 +549,17 @@ class UpstreamPool:
             try:
                 await conn.headers_ready
             except UpstreamBroken:
-                if reused and not conn.got_bytes:
-                    continue  # an idle keep-alive connection the engine had closed: try a new one once
-                raise
+                if not reused or conn.got_bytes:
+                    raise
+                # An idle keep-alive connection the engine had closed: the next turn tries a new one
+                # (falling through, not ``continue``: mypyc compiles no continue inside try/finally).
             except BaseException:
                 conn.close()
                 raise
+            else:
+                return response
             finally:
                 conn.headers_due = 0.0
-            return response
         raise UpstreamBroken("connection to the engine lost")  # pragma: no cover - the loop returns or raises
 
     def send_now(

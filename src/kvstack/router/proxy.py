@@ -214,6 +214,10 @@ class Proxy:
         self._backoff = self.retry.backoff
         self._rng = rng or random.Random()
         self._clock = clock
+        # Direct requests (send_now) whose answer was relayed from the callback, and those whose first
+        # attempt went on in the coroutine path (forward's ``sent``): what the path did, for tests.
+        self.answered_now = 0
+        self.handed_on = 0
 
     async def forward(
         self,
@@ -232,7 +236,11 @@ class Proxy:
     ) -> None:
         """Send ``body`` to the first candidate that answers; relay its response to ``conn``. ``sent``: the
         first attempt, already sent to ``candidates[0]`` (`send_now`), and its answer's headers."""
-        started = self._clock() if sent is None else sent.started
+        if sent is None:
+            started = self._clock()
+        else:
+            started = sent.started
+            self.handed_on += 1
         deadline = started + timeouts.total
         headers = forward_headers(client_headers, request_id)
         last_error: _Retryable | None = None
@@ -342,9 +350,9 @@ class Proxy:
                     if sent.error is not None:
                         raise sent.error
                     assert sent.response is not None  # (send_now sent it)
-                    upstream = sent.response
+                    response = sent.response
                 else:
-                    upstream = await self.upstream.request(
+                    response = await self.upstream.request(
                         url,
                         path,
                         headers,
@@ -363,56 +371,58 @@ class Proxy:
                     self._timeout_verdict(timeouts, "connect") if isinstance(exc, ConnectTimedOut) else False
                 )
                 raise _Retryable(exc.reason) from None
+            # (the except and finally clauses below release it; see _unnarrowed)
+            upstream = _unnarrowed(response)
 
-            if upstream.status in RETRY_STATUSES:
-                data = await _read_small(upstream, timeouts.idle)
+            if response.status in RETRY_STATUSES:
+                data = await _read_small(response, timeouts.idle)
                 # 429 says "busy", not "broken": it does not trip the breaker.
-                settle(None if upstream.status == 429 else False)
-                raise _Retryable(f"status_{upstream.status}", upstream, data)
-            if upstream.status >= 500:
+                settle(None if response.status == 429 else False)
+                raise _Retryable(f"status_{response.status}", response, data)
+            if response.status >= 500:
                 settle(False)
-            elif upstream.status >= 400:
+            elif response.status >= 400:
                 settle(None)  # client errors say nothing about the engine
-            resp_headers = _response_headers(upstream, request_id, url)
-            is_sse = upstream.content_type.startswith("text/event-stream")
+            resp_headers = _response_headers(response, request_id, url)
+            is_sse = response.content_type.startswith("text/event-stream")
 
-            if _whole(upstream):
+            if _whole(response):
                 # A complete, sized body (a non-streaming answer): relay it in one write with its length.
-                if upstream.complete:  # it came with the headers (small answers do): nothing to wait for
-                    data = upstream.received()
+                if response.complete:  # it came with the headers (small answers do): nothing to wait for
+                    data = response.received()
                 else:
                     bound, within = timeouts.limit("idle", deadline - self._clock())
                     try:
-                        data = await upstream.read(within)
+                        data = await response.read(within)
                     except UpstreamError as exc:
                         timed_out = isinstance(exc, TimeoutError)
                         settle(self._timeout_verdict(timeouts, bound) if timed_out else False)
                         # Nothing reached the client yet: another engine may answer.
                         reason = "timeout_before_content" if timed_out else "broken_before_content"
                         raise _Retryable(reason) from None
-                outcome.status = upstream.status
+                outcome.status = response.status
                 outcome.first_byte_at = self._clock()
-                settle(upstream.status < 500)
-                conn.send(upstream.status, resp_headers, data)
+                settle(response.status < 500)
+                conn.send(response.status, resp_headers, data)
                 return
 
             events = _WholeEvents() if is_sse else None
             held = b""
-            if events is not None and upstream.status == 200 and self.hold.enabled:
-                held = await self._hold(upstream, events, timeouts, deadline, started, settle)
-            outcome.status = upstream.status
-            conn.start(upstream.status, resp_headers)
+            if events is not None and response.status == 200 and self.hold.enabled:
+                held = await self._hold(response, events, timeouts, deadline, started, settle)
+            outcome.status = response.status
+            conn.start(response.status, resp_headers)
             outcome.first_byte_at = self._clock()
-            stopped = await self._relay(conn, upstream, events, timeouts, deadline, outcome, held)
+            stopped = await self._relay(conn, response, events, timeouts, deadline, outcome, held)
             if stopped is None:
-                settle(upstream.status < 500)
+                settle(response.status < 500)
                 conn.end()
             elif stopped == "client":
                 # The client took nothing until the deadline: abort the engine's request, drop the client.
                 settle(None)
                 outcome.error = "client_too_slow"
                 log.info("request %s: the client stopped reading; cut off at its deadline", request_id)
-                upstream.close()
+                response.close()
                 conn.abort()
             else:
                 settle(False if stopped == "broke" else self._timeout_verdict(timeouts, stopped))
@@ -422,7 +432,7 @@ class Proxy:
                     reason = label = f"{stopped}_timeout"
                 self.metrics.upstream_error(url, label)
                 sse = stream or is_sse
-                await self._end_early(conn, upstream, reason, url, events, sse, deadline, outcome)
+                await self._end_early(conn, response, reason, url, events, sse, deadline, outcome)
         except ConnectionResetError:
             # The client went away mid-write: closing the upstream connection makes the engine abort.
             outcome.error = "client_disconnected"
@@ -525,6 +535,7 @@ class Proxy:
             upstream.release()
         self.metrics.set_circuit(url, breaker.state)
         self._end(entry, sent.gauge)
+        self.answered_now += 1
         return True
 
     def abandon(self, sent: Sent, outcome: Outcome) -> None:
@@ -685,6 +696,13 @@ class Proxy:
                 conn.abort()  # past the deadline with bytes the client has not taken: it stopped reading
                 return
         conn.end()
+
+
+def _unnarrowed(response: UpstreamResponse) -> UpstreamResponse | None:
+    """``response`` typed as maybe None, for the variable an attempt's except and finally clauses read: a
+    plain assignment would narrow it, and mypyc's compiled code then takes the None it holds in those
+    clauses (when the request failed before it was assigned) for an error."""
+    return response
 
 
 def _whole(upstream: UpstreamResponse) -> bool:
