@@ -301,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": host,
         "setup": {
             "backend": out.get("backend_command"),
+            "kvstack_build": out.get("kvstack_build"),
             "wrk": out.get("wrk"),
             "envoy": out.get("envoy"),
             "lua_script": out.get("lua_script"),
