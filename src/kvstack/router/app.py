@@ -58,6 +58,8 @@ PROXIED_PATHS = (
     "/detokenize",
 )
 _PROXIED = frozenset(PROXIED_PATHS)
+# How far a proxied request got before the coroutine path goes on with it (RouterApp._rest).
+_NEW, _PARSED, _ADMITTED, _ROUTED = 0, 1, 2, 3
 WORKER_HEADER = "x-kvstack-worker"
 KV_EVENTS_ALIAS = "kv_events_endpoint"  # the admin API's old name of the kv_events field
 
@@ -273,34 +275,17 @@ class RouterApp:
             raise OpenAIError(404, f"no engine {url!r}", "NotFoundError", "url")
 
     async def proxied(self, request: Request, conn: Connection) -> Response | None:
-        flight = _Flight(request, conn)
-        try:
-            self._route(flight)
-            if not self.admission.try_acquire():  # (a coroutine per request spared when a slot is free)
-                await self.admission.acquire()
-            try:
-                # Every engine, in any state: scheduling explains why none fits, and its affinity ring stays
-                # stable.
-                decision = flight.decision = await self.picker.pick(flight.route, self.registry.states())
-                self.metrics.decision(decision.profile, decision.target)
-                await self._forward(flight, None)
-            finally:
-                self.admission.release()
-        except Exception as exc:
-            return self._failed(exc, flight)
-        finally:
-            self._count(flight)
-        return None
+        return await self._rest(_Flight(request, conn), _NEW)
 
     def direct(self, request: Request, conn: Connection) -> bool:
-        """A plain request's path with no coroutine (the server's ``direct``; design/router-request-path.md).
+        """A proxied request's start, no coroutine (the server's ``direct``; design/router-request-path.md).
 
-        A proxied POST that is not a stream and is admitted and routed at once (no queue, no tokenizing) is
-        taken: sent from here when it finds an idle connection to its engine (and needs no prefill), its
-        answer relayed from the callback when it comes whole; anything else (connecting, P/D, a retry, a
-        body still coming, a failure) goes on from the decision in the coroutine path (`_rest`). Every
-        other request is declined (False) to `proxied`, which also answers the errors met before a
-        decision.
+        A proxied POST is taken and parsed here. A plain one that is admitted and routed at once (no queue,
+        no tokenizing) and finds an idle connection to its engine (and needs no prefill) is sent from here,
+        its answer relayed from the callback when it comes whole. Anything else goes on as a coroutine from
+        the step it reached (`_rest`): a stream, a queue for admission, a decision that waits for tokens,
+        connecting, P/D, a retry, a body still coming, a failure. Declined (False) to `proxied`: requests
+        that are not proxied POSTs, a wrong API key, and a body refused when parsed (answered there).
         """
         if request.method != "POST" or request.path not in _PROXIED:
             return False
@@ -313,7 +298,8 @@ class RouterApp:
         except OpenAIError:
             return False
         if route.stream or not self.admission.try_acquire():
-            return False
+            conn.serve_rest(self._rest(flight, _PARSED))
+            return True
         try:
             decision = self.picker.decide(route, self.registry.states())
             if decision is not None:
@@ -321,17 +307,16 @@ class RouterApp:
                 self.metrics.decision(decision.profile, decision.target)
                 sent = None if decision.prefill else self._send_now(flight)
         except OpenAIError:
-            decision = None  # (proxied answers it)
+            decision = None  # (the coroutine path meets it again and answers it)
         except Exception:
             self.admission.release()
             flight.outcome.status = 500  # (the server answers it)
             self._count(flight)
             raise
         if decision is None:
-            self.admission.release()
-            return False
-        if sent is None:  # (the decision is made: the coroutine path goes on from it)
-            conn.serve_rest(self._rest(flight, None))
+            conn.serve_rest(self._rest(flight, _ADMITTED))
+        elif sent is None:
+            conn.serve_rest(self._rest(flight, _ROUTED))
         else:
             conn.on_lost = sent.abort
         return True
@@ -362,7 +347,7 @@ class RouterApp:
             if conn.closed:
                 self.proxy.abandon(sent, flight.outcome)
             elif not self.proxy.answer_now(conn, sent, flight.route.request_id, flight.outcome):
-                conn.serve_rest(self._rest(flight, sent))
+                conn.serve_rest(self._rest(flight, _ROUTED, sent))
                 return
         except Exception:
             sent.abort()
@@ -373,10 +358,21 @@ class RouterApp:
         self._count(flight)
         conn.finish()
 
-    async def _rest(self, flight: _Flight, sent: Sent | None) -> Response | None:
-        """A direct request from its decision (or its first answer, ``sent``) on, as `proxied` goes on."""
+    async def _rest(self, flight: _Flight, reached: int, sent: Sent | None = None) -> Response | None:
+        """A proxied request as a coroutine, from the step it ``reached`` (`proxied`: `_NEW`; `direct` hands
+        on what it cannot finish at once): parsed, admitted, routed, then forwarded (its first attempt
+        ``sent`` already, when given)."""
         try:
+            if reached < _PARSED:
+                self._route(flight)
+            if reached < _ADMITTED and not self.admission.try_acquire():
+                await self.admission.acquire()  # (a coroutine per request spared when a slot is free)
             try:
+                if reached < _ROUTED:
+                    # Every engine, in any state: scheduling explains why none fits, and its affinity ring
+                    # stays stable.
+                    decision = flight.decision = await self.picker.pick(flight.route, self.registry.states())
+                    self.metrics.decision(decision.profile, decision.target)
                 await self._forward(flight, sent)
             finally:
                 self.admission.release()
